@@ -1,0 +1,3 @@
+from monet_cli.cli.app import main
+
+main()

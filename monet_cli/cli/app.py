@@ -1,0 +1,116 @@
+"""The ``monet`` command line: a thin typer layer over functions that return dataclasses."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from monet_cli import __version__
+from monet_cli.cli.errors import user_errors
+from monet_cli.errors import EXIT_CODE_TABLE
+
+EXIT_CODES_HELP = "Exit codes: " + "; ".join(f"{code} {text}" for code, text in EXIT_CODE_TABLE) + "."
+
+app = typer.Typer(
+    name="monet",
+    help=(
+        "Plan activation checkpointing so a PyTorch training step fits a memory budget.\n\n"
+        "Workflow: monet profile MODEL -> monet solve --budget 8G -> monet apply.\n\n"
+        "Sizes: 8G = 8GiB = 8 x 2^30 bytes; 8GB = 8 x 10^9 bytes; 60% = of the measured baseline peak.\n\n"
+        + EXIT_CODES_HELP
+    ),
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"monet {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: Annotated[
+        bool, typer.Option("--version", callback=_version, is_eager=True, help="Print the version and exit.")
+    ] = False,
+) -> None:
+    pass
+
+
+@app.command(
+    help=(
+        "Run real training steps of MODEL and record every op's time and memory into a YAML profile.\n\n"
+        "MODEL is a run config (configs/NAME.yaml or a path to a .yaml file), a torchvision model "
+        "name (resnet50, vgg16, vit_b_16, ...) or an import path package.module:function returning "
+        "an nn.Module. Command-line options override the run config.\n\n"
+        "Examples:\n\n"
+        "  monet profile resnet50 --batch-size 8 --input-shape 3,128,128\n\n"
+        "  monet profile monet_cli.examples.models:tiny_gpt --input-shape 64 --input-dtype int64 "
+        "--input-range 0:512 --loss token_cross_entropy\n\n" + EXIT_CODES_HELP
+    ),
+    no_args_is_help=True,
+)
+def profile(
+    model: Annotated[str, typer.Argument(help="Run config, torchvision name or package.module:function.")],
+    batch_size: Annotated[Optional[int], typer.Option("--batch-size", "-b", help="Samples per step.")] = None,
+    input_shape: Annotated[
+        Optional[list[str]],
+        typer.Option("--input-shape", "-i", help="Per-sample input shape, e.g. 3,128,128; repeat for several inputs."),
+    ] = None,
+    input_dtype: Annotated[
+        Optional[list[str]],
+        typer.Option("--input-dtype", help="Input dtype (float32, bfloat16, int64, ...); one, or one per input."),
+    ] = None,
+    input_range: Annotated[
+        Optional[str], typer.Option("--input-range", help="LOW:HIGH for integer inputs such as token ids, e.g. 0:50257.")
+    ] = None,
+    model_arg: Annotated[
+        Optional[list[str]], typer.Option("--model-arg", help="KEY=VALUE passed to the model factory; repeatable.")
+    ] = None,
+    device: Annotated[str, typer.Option(help="auto (CUDA when present), cpu, cuda or cuda:N.")] = "auto",
+    optimizer: Annotated[
+        Optional[str], typer.Option(help="sgd (lr 0.01, momentum 0.9), adamw or none. Default: sgd.")
+    ] = None,
+    lr: Annotated[Optional[float], typer.Option(help="Learning rate of the optimizer.")] = None,
+    loss: Annotated[
+        Optional[str],
+        typer.Option(help="auto, cross_entropy, token_cross_entropy, mean_square or package.module:function."),
+    ] = None,
+    steps: Annotated[int, typer.Option(help="Timed steps after one warm-up; times are their median.")] = 3,
+    seed: Annotated[Optional[int], typer.Option(help="Seed for weights and random inputs.")] = None,
+    output: Annotated[
+        Optional[Path], typer.Option("--output", "-o", help="Profile file. Default: configs/NAME.profile.yaml.")
+    ] = None,
+    json_output: Annotated[bool, typer.Option("--json", help="Print a JSON summary on stdout.")] = False,
+) -> None:
+    from monet_cli.cli import profile_cmd
+
+    with user_errors():
+        profile_cmd.run(
+            profile_cmd.ProfileArgs(
+                model=model, batch_size=batch_size, input_shapes=input_shape or [], input_dtypes=input_dtype or [],
+                input_range=input_range, model_args=model_arg or [], device=device, optimizer=optimizer, lr=lr,
+                loss=loss, steps=steps, seed=seed, output=output, json_output=json_output,
+            )
+        )
+
+
+@app.command(help="Solve for a schedule under a memory budget (coming in the next release).")
+def solve() -> None:
+    typer.echo("monet solve: not implemented yet", err=True)
+    raise typer.Exit(code=1)
+
+
+@app.command(help="Apply a schedule to a training run (coming in the next release).")
+def apply() -> None:
+    typer.echo("monet apply: not implemented yet", err=True)
+    raise typer.Exit(code=1)
+
+
+def main() -> None:
+    app()

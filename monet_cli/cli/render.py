@@ -1,0 +1,66 @@
+"""Rendering results for people (rich tables on stderr/stdout) and machines (JSON)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from monet_cli.core.profile import Profile
+from monet_cli.core.units import format_bytes
+
+stderr = Console(stderr=True)
+
+
+def print_json(data: dict[str, Any]) -> None:
+    sys.stdout.write(json.dumps(data, indent=2) + "\n")
+    sys.stdout.flush()
+
+
+def profile_summary(profile: Profile, path: str) -> dict[str, Any]:
+    """The machine-readable result of ``monet profile``."""
+    mem = profile.memory
+    return {
+        "profile": path,
+        "model": profile.model.name,
+        "device": profile.device.type,
+        "batch_size": profile.model.batch_size,
+        "forward_ops": len(profile.ops),
+        "backward_ops": len(profile.backward),
+        "segments": sum(1 for c in profile.calls if c.checkpointable),
+        "baseline_peak_bytes": profile.baseline.peak_bytes,
+        "step_ms": profile.baseline.step_ms,
+        "param_bytes": mem.param_bytes,
+        "grad_bytes": mem.grad_bytes,
+        "optimizer_state_bytes": mem.optimizer_state_bytes,
+        "saved_activation_bytes": mem.saved_activation_bytes,
+        "fingerprint": {"structure": profile.fingerprint.structure, "shapes": profile.fingerprint.shapes},
+    }
+
+
+def profile_table(profile: Profile, path: str) -> Table:
+    mem = profile.memory
+    table = Table(title=f"monet profile: {profile.model.name}", show_header=False, title_justify="left")
+    table.add_column("what", style="bold")
+    table.add_column("value")
+    shapes = ", ".join("x".join(map(str, i.shape)) + f" {i.dtype}" for i in profile.model.inputs)
+    rows = [
+        ("model", f"{profile.model.spec} ({profile.model.target})"),
+        ("device", f"{profile.device.type} ({profile.device.name})"),
+        ("batch", f"{profile.model.batch_size} x {shapes}"),
+        ("ops", f"{len(profile.ops)} forward, {len(profile.backward)} backward+optimizer"),
+        ("segments", f"{sum(1 for c in profile.calls if c.checkpointable)} checkpointable module calls"),
+        ("baseline peak", format_bytes(profile.baseline.peak_bytes) + f"  ({profile.baseline.meter})"),
+        ("step time", f"{profile.baseline.step_ms:.1f} ms (median of {profile.baseline.steps})"),
+        ("parameters", format_bytes(mem.param_bytes)),
+        ("gradients", format_bytes(mem.grad_bytes)),
+        ("optimizer state", format_bytes(mem.optimizer_state_bytes)),
+        ("kept for backward", format_bytes(mem.saved_activation_bytes)),
+        ("written to", path),
+    ]
+    for name, value in rows:
+        table.add_row(name, value)
+    return table

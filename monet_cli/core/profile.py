@@ -1,0 +1,251 @@
+"""The profile: what one real training step of a model costs, op by op.
+
+Positions: every aten op the step runs gets a position. Forward ops (model, then loss)
+take 0..len(ops)-1, backward and optimizer ops follow (``BackwardOp.pos``). A storage
+with ``alloc=a`` and ``free=f`` is live while ops a..f-1 run; ``free=None`` means it
+outlives the step (parameters, gradients, optimizer state).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from monet_cli.core.codec import flow_row, from_data, to_data
+from monet_cli.core.yamlio import atomic_write_text, dump_yaml, load_yaml_file
+from monet_cli.errors import FileFormatError
+
+SCHEMA_VERSION = 1
+PROFILE_KIND = "monet.profile"
+LOSS_MODULE = "<loss>"  # module path of the ops that compute the loss, outside the model
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class InputSpec:
+    shape: tuple[int, ...]
+    """Per-sample shape, without the batch dimension."""
+    dtype: str = "float32"
+    low: int | None = None
+    """Integer inputs (token ids) are drawn uniformly from [low, high)."""
+    high: int | None = None
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class OptimizerSpec:
+    name: Literal["sgd", "adamw", "none"] = "sgd"
+    lr: float = 0.01
+    momentum: float = 0.9
+    weight_decay: float = 0.0
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ModelSpec:
+    """Everything needed to rebuild the same model and training step elsewhere."""
+
+    spec: str
+    """What the user typed: a run config, a torchvision name or ``package.module:function``."""
+    name: str
+    source: Literal["torchvision", "import"]
+    target: str
+    """The torchvision model name or the import path that builds the model."""
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    batch_size: int
+    inputs: tuple[InputSpec, ...]
+    optimizer: OptimizerSpec = field(default_factory=OptimizerSpec)
+    loss: str = "auto"
+    seed: int = 0
+    out_of_place_activations: bool = True
+    """monet runs activation modules (ReLU, ...) out of place so their outputs can be kept."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DeviceInfo:
+    type: str
+    name: str
+    total_memory_bytes: int
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class EnvInfo:
+    monet: str
+    torch: str
+    torchvision: str
+    ortools: str
+    python: str
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Fingerprint:
+    structure: str
+    """Hash of the forward op sequence (overload names and module paths)."""
+    shapes: str
+    """Hash of every forward op's tensor argument shapes and dtypes."""
+    device_type: str
+    torch: str
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Baseline:
+    peak_bytes: int
+    """Measured peak of the unscheduled step (live tensor storages on CPU, the allocator on CUDA)."""
+    step_ms: float
+    """Median wall time of the timed steps, without any recording."""
+    steps: int
+    peak_pos: int
+    """Position of the op during which the recorded peak happened."""
+    meter: str
+    """How peak_bytes was measured: ``live-storages`` or ``cuda-allocator``."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class MemorySummary:
+    param_bytes: int
+    buffer_bytes: int
+    input_bytes: int
+    grad_bytes: int
+    optimizer_state_bytes: int
+    saved_activation_bytes: int
+    """Bytes autograd keeps for backward once the loss is computed (parameters excluded)."""
+
+
+@flow_row
+@dataclass(frozen=True, kw_only=True, slots=True)
+class OpRecord:
+    index: int
+    op: str
+    """The aten overload, e.g. ``aten.convolution.default``."""
+    module: str
+    """Path of the innermost module running it; ``""`` is the model itself."""
+    time_ms: float
+    out_bytes: int
+    """Bytes of new storage the op produces."""
+    saved_bytes: int
+    """Bytes of its storages autograd keeps for backward (in-place ops count with their producer)."""
+    inplace_of: int | None = None
+    """For an in-place op, the op whose storage it writes."""
+    inputs: tuple[int, ...] = ()
+    """Forward ops whose storages this op reads (parameters and inputs excluded)."""
+    consumers: tuple[int, ...] = ()
+
+
+@flow_row
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ModuleCall:
+    index: int
+    fqn: str
+    type: str
+    first_op: int
+    end_op: int
+    """One past the last op run inside the call."""
+    parent: int | None
+    checkpointable: bool
+    """A segment candidate: called once, runs ops, does not write its inputs in place."""
+
+
+@flow_row
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StorageRecord:
+    id: int
+    bytes: int
+    kind: Literal["param", "buffer", "input", "grad", "optimizer", "activation", "temp", "other"]
+    producer: int | None
+    """Position of the op that allocated it; None for storages that existed before the step."""
+    alloc: int
+    free: int | None
+    free_no_autograd: int | None = None
+    """For forward storages: where it is freed when autograd keeps nothing (recompute candidates)."""
+    mutated: bool = False
+    """Written in place after it was produced: such a storage cannot be kept by a schedule."""
+
+
+@flow_row
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PackRecord:
+    """Autograd saved a storage for backward (one record per save)."""
+
+    storage: int
+    call: int | None
+    """Innermost module call running when it was saved (None: outside the model)."""
+    pos: int
+    """Number of forward ops started when it was saved."""
+    unpack: int | None
+    """Backward position at which its node first used it."""
+    release: int | None
+    """Position before which autograd dropped it (its node finished)."""
+
+
+@flow_row
+@dataclass(frozen=True, kw_only=True, slots=True)
+class BackwardOp:
+    pos: int
+    op: str
+    phase: Literal["backward", "optimizer"]
+    time_ms: float
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Profile:
+    schema_version: int
+    kind: str
+    model: ModelSpec
+    device: DeviceInfo
+    env: EnvInfo
+    fingerprint: Fingerprint
+    baseline: Baseline
+    memory: MemorySummary
+    created_at: str
+    ops: tuple[OpRecord, ...]
+    backward: tuple[BackwardOp, ...]
+    calls: tuple[ModuleCall, ...]
+    storages: tuple[StorageRecord, ...]
+    packs: tuple[PackRecord, ...]
+
+    def __post_init__(self) -> None:
+        for i, op in enumerate(self.ops):
+            if op.index != i:
+                raise ValueError(f"ops[{i}] has index {op.index}: ops must be numbered 0, 1, 2, ...")
+        for j, bop in enumerate(self.backward):
+            if bop.pos != len(self.ops) + j:
+                raise ValueError(f"backward[{j}] has pos {bop.pos}, expected {len(self.ops) + j}")
+
+    @property
+    def num_positions(self) -> int:
+        return len(self.ops) + len(self.backward)
+
+
+def dump_profile(profile: Profile) -> str:
+    return dump_yaml(to_data(profile))
+
+
+def save_profile(profile: Profile, path: Path) -> None:
+    atomic_write_text(Path(path), dump_profile(profile))
+
+
+def check_header(data: dict[str, Any], *, source: str, kind: str) -> None:
+    """Reject the wrong kind of file or an unknown schema version before anything else."""
+    found_kind = data.get("kind")
+    if found_kind != kind:
+        if isinstance(found_kind, str) and found_kind.startswith("monet."):
+            raise FileFormatError(f"{source}: kind: this is a {found_kind} file, expected {kind}")
+        raise FileFormatError(f"{source}: kind: expected '{kind}', got {found_kind!r}")
+    version = data.get("schema_version")
+    if version is None:
+        raise FileFormatError(f"{source}: schema_version: missing key")
+    if not isinstance(version, int) or isinstance(version, bool):
+        raise FileFormatError(f"{source}: schema_version: expected int, got {version!r}")
+    if version != SCHEMA_VERSION:
+        hint = "written by a newer monet: upgrade monet" if version > SCHEMA_VERSION else "no longer supported"
+        raise FileFormatError(
+            f"{source}: schema_version: {version} is not supported (this monet reads {SCHEMA_VERSION}; {hint})"
+        )
+
+
+def profile_from_data(data: dict[str, Any], *, source: str) -> Profile:
+    check_header(data, source=source, kind=PROFILE_KIND)
+    return from_data(Profile, data, source=source)
+
+
+def load_profile(path: Path) -> Profile:
+    path = Path(path)
+    return profile_from_data(load_yaml_file(path), source=str(path))

@@ -1,0 +1,353 @@
+"""Recorders that run inside a real training step.
+
+``StepRecorder`` sees every aten op of one step (forward, loss, backward, optimizer)
+through a dispatch mode, every tensor autograd saves through saved-tensor hooks, module
+calls through global module hooks, and when each backward node finishes through node
+post-hooks. It is a ``LiveStorageMeter``, so it also knows when each storage is born
+and freed.
+
+``LifetimeRecorder`` replays the forward with autograd keeping nothing, which tells
+when each activation would die if it were not saved: what a recomputed segment frees.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from monet_cli.core.profile import LOSS_MODULE
+from monet_cli.runtime.meter import LiveStorageMeter, preexisting_tensors, storage_key
+from monet_cli.workload.step import Workload, loss_scope
+
+
+@dataclass
+class RawStorage:
+    id: int
+    bytes: int
+    kind: str
+    producer: int | None
+    alloc: int
+    free: int | None = None
+    mutated: bool = False
+
+
+@dataclass
+class RawOp:
+    pos: int
+    op: str
+    phase: str
+    module: str
+    inputs: list[int]
+    """Storage ids the op reads."""
+    written: list[int]
+    """Storage ids the op writes in place."""
+    outputs: list[int]
+    """Storage ids the op allocated."""
+    signature: str
+
+
+@dataclass
+class RawCall:
+    index: int
+    fqn: str
+    type: str
+    first_op: int
+    parent: int | None
+    end_op: int = -1
+
+
+@dataclass
+class RawPack:
+    storage: int
+    call: int | None
+    pos: int
+    unpack: int | None = None
+    release: int | None = None
+
+
+class _Packed:
+    """What autograd stores instead of the tensor: the tensor itself plus our record."""
+
+    __slots__ = ("tensor", "index")
+
+    def __init__(self, tensor: torch.Tensor, index: int) -> None:
+        self.tensor = tensor
+        self.index = index
+
+
+def _written_args(func, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """Tensor arguments the op's schema marks as mutated (``Tensor(a!)``)."""
+    written = []
+    for i, arg in enumerate(func._schema.arguments):
+        if arg.alias_info is None or not arg.alias_info.is_write:
+            continue
+        value = args[i] if i < len(args) else kwargs.get(arg.name)
+        written += [t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)]
+    return written
+
+
+# Ops that make no storage and whose presence depends on how autograd saves tensors
+# (saved-tensor hooks change when ``detach`` runs); selective checkpointing ignores
+# them too. They run but are not numbered.
+IGNORED_OPS = frozenset({"aten.detach.default", "prim.device.default"})
+
+
+def _signature(tensors: list[torch.Tensor]) -> str:
+    return ";".join(f"{tuple(t.shape)}:{str(t.dtype).removeprefix('torch.')}" for t in tensors)
+
+
+class StepRecorder(LiveStorageMeter):
+    """Records the structure and memory timeline of one training step."""
+
+    def __init__(self, workload: Workload) -> None:
+        super().__init__()
+        self.workload = workload
+        self.pos = 0
+        self.phase = "forward"
+        self.finished = False
+        self.storages: list[RawStorage] = []
+        self.by_key: dict[int, int] = {}
+        self.ops: list[RawOp] = []
+        self.calls: list[RawCall] = []
+        self.stack: list[int] = []
+        self.packs: list[RawPack] = []
+        self.pending_unpacks: list[int] = []
+        self.peak_pos = 0
+
+    # -- storages -----------------------------------------------------------------
+    def on_alloc(self, key: int, nbytes: int, kind: str, producer: int | None) -> None:
+        sid = len(self.storages)
+        self.storages.append(RawStorage(id=sid, bytes=nbytes, kind=kind, producer=producer, alloc=self.pos))
+        self.by_key[key] = sid
+        if self.current_bytes == self.peak_bytes:
+            self.peak_pos = self.pos
+
+    def on_free(self, key: int) -> None:
+        sid = self.by_key.pop(key)
+        if not self.finished:
+            self.storages[sid].free = self.pos
+
+    def sid_of(self, tensor: torch.Tensor) -> int:
+        return self.by_key[storage_key(tensor)]
+
+    # -- ops --------------------------------------------------------------------------
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if str(func) in IGNORED_OPS:
+            return func(*args, **kwargs)
+        pos = self.pos
+        inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        self.track_unseen_inputs(inputs)
+        written = _written_args(func, args, kwargs)
+        out = func(*args, **kwargs)
+        outputs = []
+        for tensor in tree_flatten(out)[0]:
+            if isinstance(tensor, torch.Tensor):
+                kind = "activation" if self.phase == "forward" else "temp"
+                if self.track(tensor, kind=kind, producer=pos) is not None:
+                    outputs.append(self.sid_of(tensor))
+        self.ops.append(
+            RawOp(
+                pos=pos,
+                op=str(func),
+                phase=self.phase,
+                module=self._module_path(),
+                inputs=sorted({self.sid_of(t) for t in inputs if t.device.type != "meta"}),
+                written=sorted({self.sid_of(t) for t in written if t.device.type != "meta"}),
+                outputs=outputs,
+                signature=_signature(inputs),
+            )
+        )
+        self.pos = pos + 1
+        return out
+
+    def _module_path(self) -> str:
+        if loss_scope.active:
+            return LOSS_MODULE
+        if self.phase != "forward":
+            return ""
+        return self.calls[self.stack[-1]].fqn if self.stack else ""
+
+    # -- module calls -----------------------------------------------------------------
+    def _pre_hook(self, module: torch.nn.Module, args: object) -> None:
+        if self.phase != "forward" or self.finished:
+            return
+        index = len(self.calls)
+        fqn = self.workload.module_names.get(id(module), f"<{type(module).__name__}>")
+        parent = self.stack[-1] if self.stack else None
+        self.calls.append(RawCall(index=index, fqn=fqn, type=type(module).__name__, first_op=self.pos, parent=parent))
+        self.stack.append(index)
+
+    def _post_hook(self, module: torch.nn.Module, args: object, output: object) -> None:
+        if self.phase != "forward" or self.finished or not self.stack:
+            return
+        self.calls[self.stack.pop()].end_op = self.pos
+
+    # -- autograd ---------------------------------------------------------------------
+    def _pack(self, tensor: torch.Tensor) -> _Packed:
+        if not self.is_tracked(tensor):
+            self.track(tensor, kind="other", producer=None)
+        call = self.stack[-1] if self.stack and not loss_scope.active else None
+        self.packs.append(RawPack(storage=self.sid_of(tensor), call=call, pos=self.pos))
+        return _Packed(tensor, len(self.packs) - 1)
+
+    def _unpack(self, packed: _Packed) -> torch.Tensor:
+        record = self.packs[packed.index]
+        if record.unpack is None:
+            record.unpack = self.pos
+            self.pending_unpacks.append(packed.index)
+        return packed.tensor
+
+    def _node_done(self, grad_inputs: object, grad_outputs: object) -> None:
+        # The engine releases a node's saved tensors right after its post-hooks run.
+        for index in self.pending_unpacks:
+            self.packs[index].release = self.pos
+        self.pending_unpacks.clear()
+
+    def _hook_graph(self, loss: torch.Tensor) -> None:
+        seen: set[int] = set()
+        todo = [loss.grad_fn]
+        while todo:
+            node = todo.pop()
+            if node is None or id(node) in seen:
+                continue
+            seen.add(id(node))
+            node.register_hook(self._node_done)
+            todo.extend(next_node for next_node, _ in node.next_functions)
+
+    def _on_phase(self, phase: str, loss: torch.Tensor) -> None:
+        if phase == "backward":
+            self._hook_graph(loss)
+        self.phase = phase
+
+    # -- driver -----------------------------------------------------------------------
+    def record_step(self) -> None:
+        """Run one step (grads cleared first) and record it."""
+        w = self.workload
+        w.zero_grad()
+        for tensor, kind in preexisting_tensors(w.model, w.optimizer, w.data_tensors()):
+            self.track(tensor, kind=kind, producer=None)
+        pre = torch.nn.modules.module.register_module_forward_pre_hook(self._pre_hook)
+        post = torch.nn.modules.module.register_module_forward_hook(self._post_hook)
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack), self:
+                w.step(on_phase=self._on_phase)
+            self.finished = True
+        finally:
+            pre.remove()
+            post.remove()
+        self._classify_backward_storages()
+
+    def _classify_backward_storages(self) -> None:
+        w = self.workload
+        for param in w.model.parameters():
+            if param.grad is not None and self.is_tracked(param.grad):
+                self.storages[self.sid_of(param.grad)].kind = "grad"
+        if w.optimizer is not None:
+            for state in w.optimizer.state.values():
+                for value in state.values():
+                    if isinstance(value, torch.Tensor) and self.is_tracked(value):
+                        storage = self.storages[self.sid_of(value)]
+                        if storage.producer is not None:
+                            storage.kind = "optimizer"
+        for op in self.ops:
+            if op.phase != "forward":
+                continue
+            for sid in op.written:
+                storage = self.storages[sid]
+                if storage.kind == "activation" and storage.producer != op.pos:
+                    storage.mutated = True
+
+
+class LifetimeRecorder(LiveStorageMeter):
+    """Forward only, autograd keeping nothing: when would each activation die?"""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pos = 0
+        self.finished = False
+        self.ops: list[str] = []
+        self.outputs: list[list[int]] = []
+        self.free: dict[int, int | None] = {}
+        self._slot: dict[int, int] = {}
+        self._next = 0
+
+    def on_alloc(self, key: int, nbytes: int, kind: str, producer: int | None) -> None:
+        if producer is None:
+            return
+        slot = self._next
+        self._next += 1
+        self._slot[key] = slot
+        self.free[slot] = None
+        self.outputs[producer].append(slot)
+
+    def on_free(self, key: int) -> None:
+        slot = self._slot.pop(key, None)
+        if slot is not None and not self.finished:
+            self.free[slot] = self.pos
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if str(func) in IGNORED_OPS:
+            return func(*args, **kwargs)
+        pos = self.pos
+        self.ops.append(str(func))
+        self.outputs.append([])
+        out = func(*args, **kwargs)
+        for tensor in tree_flatten(out)[0]:
+            if isinstance(tensor, torch.Tensor):
+                self.track(tensor, kind="activation", producer=pos)
+        self.pos = pos + 1
+        return out
+
+    def record_forward(self, workload: Workload) -> None:
+        for tensor, kind in preexisting_tensors(workload.model, workload.optimizer, workload.data_tensors()):
+            self.track(tensor, kind=kind, producer=None)
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: None, _never_unpacked), self:
+            loss = workload.forward_loss()
+        self.finished = True
+        del loss
+
+
+def _never_unpacked(packed: object) -> torch.Tensor:
+    raise RuntimeError("monet: lifetime pass runs forward only")
+
+
+class OpTimer(TorchDispatchMode):
+    """Wall time of every aten op in a step, in order."""
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__()
+        self.sync = device.type == "cuda"
+        self.names: list[str] = []
+        self.times_ms: list[float] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if str(func) in IGNORED_OPS:
+            return func(*args, **(kwargs or {}))
+        if self.sync:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        out = func(*args, **(kwargs or {}))
+        if self.sync:
+            torch.cuda.synchronize()
+        self.times_ms.append((time.perf_counter() - start) * 1000.0)
+        self.names.append(str(func))
+        return out
+
+
+@dataclass
+class Timings:
+    step_ms: list[float] = field(default_factory=list)
+    op_ms: list[list[float]] = field(default_factory=list)
+
+    def median_step_ms(self) -> float:
+        return statistics.median(self.step_ms)
+
+    def median_op_ms(self) -> list[float]:
+        return [statistics.median(column) for column in zip(*self.op_ms)]

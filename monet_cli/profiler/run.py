@@ -1,0 +1,283 @@
+"""Profile a model: run real steps, record what each op costs, return a ``Profile``."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import os
+import platform
+import time
+from collections.abc import Callable
+
+import torch
+
+from monet_cli import __version__
+from monet_cli.core.fingerprint import shapes_hash, structure_hash
+from monet_cli.core.profile import (
+    PROFILE_KIND,
+    SCHEMA_VERSION,
+    Baseline,
+    BackwardOp,
+    DeviceInfo,
+    EnvInfo,
+    Fingerprint,
+    MemorySummary,
+    ModelSpec,
+    ModuleCall,
+    OpRecord,
+    PackRecord,
+    Profile,
+    StorageRecord,
+)
+from monet_cli.errors import ModelError
+from monet_cli.profiler.capture import LifetimeRecorder, OpTimer, StepRecorder, Timings
+from monet_cli.runtime.meter import measure_step, preexisting_tensors
+from monet_cli.workload.step import Workload, build_workload, run_checked
+
+Progress = Callable[[str], None]
+
+
+def _no_progress(label: str) -> None:
+    pass
+
+
+def profile_steps(steps: int) -> int:
+    """How many progress ticks ``profile_model`` reports."""
+    return 4 + 2 * steps
+
+
+def profile_model(
+    spec: ModelSpec, device: torch.device, *, steps: int = 3, progress: Progress = _no_progress
+) -> Profile:
+    """Warm up, measure the peak, record one step, replay lifetimes, then time ``steps`` steps."""
+    workload = run_checked(lambda: build_workload(spec, device), "building the workload")
+    progress("warm-up step")
+    run_checked(lambda: _plain_step(workload), "warm-up step")
+    progress("measuring peak memory")
+    measurement = _measure_peak(workload)
+    progress("recording ops and memory")
+    recorder = StepRecorder(workload)
+    run_checked(recorder.record_step, "recording step")
+    progress("replaying activation lifetimes")
+    lifetimes = LifetimeRecorder()
+    run_checked(lambda: lifetimes.record_forward(workload), "lifetime pass")
+    timings = Timings()
+    for i in range(steps):
+        progress(f"timing ops (step {i + 1}/{steps})")
+        timings.op_ms.append(run_checked(lambda: _timed_ops(workload, recorder), "timed step"))
+        progress(f"timing steps (step {i + 1}/{steps})")
+        timings.step_ms.append(run_checked(lambda: _plain_step(workload), "timed step"))
+    return build_profile(workload, recorder, lifetimes, timings, measurement.peak_bytes, measurement.meter)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _plain_step(workload: Workload) -> float:
+    """One unrecorded step, returning its wall time in ms."""
+    _sync(workload.device)
+    start = time.perf_counter()
+    workload.zero_grad()
+    workload.step()
+    _sync(workload.device)
+    return (time.perf_counter() - start) * 1000.0
+
+
+def _measure_peak(workload: Workload):
+    workload.zero_grad()
+    pre = preexisting_tensors(workload.model, workload.optimizer, workload.data_tensors())
+    return run_checked(
+        lambda: measure_step(workload.step, device=workload.device, preexisting=pre), "measuring step"
+    )
+
+
+def _timed_ops(workload: Workload, recorder: StepRecorder) -> list[float]:
+    workload.zero_grad()
+    timer = OpTimer(workload.device)
+    with timer:
+        workload.step()
+    expected = [op.op for op in recorder.ops]
+    if timer.names != expected:
+        raise ModelError("the model ran different ops in two steps; monet needs the same ops every step")
+    return timer.times_ms
+
+
+# -- turning raw records into the Profile ---------------------------------------------
+
+
+def build_profile(
+    workload: Workload,
+    recorder: StepRecorder,
+    lifetimes: LifetimeRecorder,
+    timings: Timings,
+    peak_bytes: int,
+    meter: str,
+) -> Profile:
+    forward = [op for op in recorder.ops if op.phase == "forward"]
+    if lifetimes.ops != [op.op for op in forward]:
+        raise ModelError("the model ran different ops in two forwards; monet needs the same ops every step")
+    op_ms = timings.median_op_ms()
+    storages = _storage_records(recorder, lifetimes, len(forward))
+    ops = _op_records(recorder, forward, storages, op_ms)
+    return Profile(
+        schema_version=SCHEMA_VERSION,
+        kind=PROFILE_KIND,
+        model=workload.spec,
+        device=device_info(workload.device),
+        env=env_info(),
+        fingerprint=Fingerprint(
+            structure=structure_hash((op.op, op.module) for op in forward),
+            shapes=shapes_hash(op.signature for op in forward),
+            device_type=workload.device.type,
+            torch=torch.__version__.split("+")[0],
+        ),
+        baseline=Baseline(
+            peak_bytes=peak_bytes,
+            step_ms=round(timings.median_step_ms(), 4),
+            steps=len(timings.step_ms),
+            peak_pos=recorder.peak_pos,
+            meter=meter,
+        ),
+        memory=_memory_summary(storages, ops),
+        created_at=_dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat(),
+        ops=ops,
+        backward=tuple(
+            BackwardOp(pos=op.pos, op=op.op, phase=op.phase, time_ms=round(op_ms[op.pos], 4))  # type: ignore[arg-type]
+            for op in recorder.ops[len(forward):]
+        ),
+        calls=_call_records(recorder, storages),
+        storages=storages,
+        packs=tuple(
+            PackRecord(storage=p.storage, call=p.call, pos=p.pos, unpack=p.unpack, release=p.release)
+            for p in recorder.packs
+        ),
+    )
+
+
+def _storage_records(recorder: StepRecorder, lifetimes: LifetimeRecorder, num_forward: int) -> tuple[StorageRecord, ...]:
+    # The k-th storage made by forward op p is the same tensor in both passes.
+    slot_free: dict[tuple[int, int], int | None] = {}
+    for pos, slots in enumerate(lifetimes.outputs):
+        for k, slot in enumerate(slots):
+            slot_free[(pos, k)] = lifetimes.free[slot]
+    order_in_op: dict[int, int] = {}
+    for op in recorder.ops[:num_forward]:
+        for k, sid in enumerate(op.outputs):
+            order_in_op[sid] = k
+    records = []
+    for s in recorder.storages:
+        free_no_autograd = None
+        if s.kind == "activation" and s.producer is not None:
+            free_no_autograd = slot_free.get((s.producer, order_in_op.get(s.id, -1)))
+        records.append(
+            StorageRecord(
+                id=s.id, bytes=s.bytes, kind=s.kind, producer=s.producer, alloc=s.alloc,  # type: ignore[arg-type]
+                free=s.free, free_no_autograd=free_no_autograd, mutated=s.mutated,
+            )
+        )
+    return tuple(records)
+
+
+def _op_records(
+    recorder: StepRecorder, forward: list, storages: tuple[StorageRecord, ...], op_ms: list[float]
+) -> tuple[OpRecord, ...]:
+    saved = {p.storage for p in recorder.packs}
+    saved_bytes = [0] * len(forward)
+    for s in storages:
+        if s.kind == "activation" and s.producer is not None and s.id in saved:
+            saved_bytes[s.producer] += s.bytes
+    inputs: list[tuple[int, ...]] = []
+    consumers: list[list[int]] = [[] for _ in forward]
+    for op in forward:
+        producers = sorted({
+            storages[sid].producer for sid in op.inputs
+            if storages[sid].kind == "activation" and storages[sid].producer not in (None, op.pos)
+        })
+        inputs.append(tuple(producers))  # type: ignore[arg-type]
+        for producer in producers:
+            consumers[producer].append(op.pos)  # type: ignore[index]
+    return tuple(
+        OpRecord(
+            index=op.pos,
+            op=op.op,
+            module=op.module,
+            time_ms=round(op_ms[op.pos], 4),
+            out_bytes=sum(storages[sid].bytes for sid in op.outputs),
+            saved_bytes=saved_bytes[op.pos],
+            inplace_of=_inplace_of(op, storages),
+            inputs=inputs[op.pos],
+            consumers=tuple(consumers[op.pos]),
+        )
+        for op in forward
+    )
+
+
+def _inplace_of(op, storages: tuple[StorageRecord, ...]) -> int | None:
+    for sid in op.written:
+        storage = storages[sid]
+        if storage.kind == "activation" and storage.producer is not None and storage.producer != op.pos:
+            return storage.producer
+    return None
+
+
+def _call_records(recorder: StepRecorder, storages: tuple[StorageRecord, ...]) -> tuple[ModuleCall, ...]:
+    counts: dict[str, int] = {}
+    for call in recorder.calls:
+        counts[call.fqn] = counts.get(call.fqn, 0) + 1
+    return tuple(
+        ModuleCall(
+            index=c.index, fqn=c.fqn, type=c.type, first_op=c.first_op, end_op=c.end_op, parent=c.parent,
+            checkpointable=c.parent is not None and counts[c.fqn] == 1 and c.end_op > c.first_op
+            and not _writes_outside_activations(recorder, storages, c.first_op, c.end_op),
+        )
+        for c in recorder.calls
+    )
+
+
+def _writes_outside_activations(recorder: StepRecorder, storages, first: int, end: int) -> bool:
+    """An in-place write to an activation made before the call breaks its recompute."""
+    for op in recorder.ops[first:end]:
+        for sid in op.written:
+            s = storages[sid]
+            if s.kind == "activation" and s.producer is not None and s.producer < first:
+                return True
+    return False
+
+
+def _memory_summary(storages: tuple[StorageRecord, ...], ops: tuple[OpRecord, ...]) -> MemorySummary:
+    def total(kind: str) -> int:
+        return sum(s.bytes for s in storages if s.kind == kind)
+
+    return MemorySummary(
+        param_bytes=total("param"),
+        buffer_bytes=total("buffer"),
+        input_bytes=total("input"),
+        grad_bytes=total("grad"),
+        optimizer_state_bytes=total("optimizer"),
+        saved_activation_bytes=sum(op.saved_bytes for op in ops),
+    )
+
+
+def device_info(device: torch.device) -> DeviceInfo:
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        return DeviceInfo(type="cuda", name=props.name, total_memory_bytes=int(props.total_memory))
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        total = 0
+    return DeviceInfo(type="cpu", name=platform.processor() or platform.machine() or "cpu", total_memory_bytes=int(total))
+
+
+def env_info() -> EnvInfo:
+    import ortools
+    import torchvision
+
+    return EnvInfo(
+        monet=__version__,
+        torch=torch.__version__,
+        torchvision=torchvision.__version__,
+        ortools=ortools.__version__,
+        python=platform.python_version(),
+    )

@@ -1,0 +1,1 @@
+"""Torch-facing runtime: the memory meter now, the schedule executor later."""

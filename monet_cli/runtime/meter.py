@@ -1,0 +1,137 @@
+"""Measure the memory of a training step.
+
+CPU: count the bytes of live tensor storages. A dispatch mode sees every op's outputs;
+each new ``UntypedStorage`` adds its ``nbytes()`` and gets a weakref finalizer that
+subtracts them when PyTorch frees it. PyTorch keeps one Python object per storage, so
+views count once and the total is exact and deterministic (it equals
+``torch.distributed._tools.mem_tracker.MemTracker``). Storages that exist before the
+step (parameters, buffers, inputs, optimizer state) are registered up front.
+
+CUDA: the caching allocator's own peak, ``torch.cuda.max_memory_allocated`` after a
+reset. That call returns 0 without a GPU, so it is only used when CUDA is in use.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+
+def storage_key(tensor: torch.Tensor) -> int:
+    """Identity of the memory behind a tensor (shared by all its views)."""
+    return tensor.untyped_storage()._cdata
+
+
+class LiveStorageMeter(TorchDispatchMode):
+    """Dispatch mode that tracks the bytes of every live tensor storage."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.current_bytes = 0
+        self.peak_bytes = 0
+        self._sizes: dict[int, int] = {}
+
+    # -- registration -------------------------------------------------------------
+    def register(self, tensors: Iterable[torch.Tensor], kind: str = "other") -> None:
+        """Count storages that already exist when measuring starts."""
+        for tensor in tensors:
+            self.track(tensor, kind=kind, producer=None)
+
+    def track(self, tensor: torch.Tensor, *, kind: str, producer: int | None) -> int | None:
+        """Start counting ``tensor``'s storage; returns its key if it was new."""
+        if not isinstance(tensor, torch.Tensor) or tensor.device.type == "meta":
+            return None
+        storage = tensor.untyped_storage()
+        key = storage._cdata
+        if key in self._sizes:
+            return None
+        nbytes = storage.nbytes()
+        self._sizes[key] = nbytes
+        weakref.finalize(storage, self._release, key)
+        self.current_bytes += nbytes
+        self.peak_bytes = max(self.peak_bytes, self.current_bytes)
+        self.on_alloc(key, nbytes, kind, producer)
+        return key
+
+    def is_tracked(self, tensor: torch.Tensor) -> bool:
+        if tensor.device.type == "meta":
+            return True
+        return storage_key(tensor) in self._sizes
+
+    def _release(self, key: int) -> None:
+        nbytes = self._sizes.pop(key, None)
+        if nbytes is None:
+            return
+        self.current_bytes -= nbytes
+        self.on_free(key)
+
+    # -- extension points for the profiler's recorder -----------------------------
+    def on_alloc(self, key: int, nbytes: int, kind: str, producer: int | None) -> None:
+        """Called for each new storage."""
+
+    def on_free(self, key: int) -> None:
+        """Called when a tracked storage is freed."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        self.track_unseen_inputs((args, kwargs))
+        out = func(*args, **kwargs)
+        for tensor in tree_flatten(out)[0]:
+            if isinstance(tensor, torch.Tensor):
+                self.track(tensor, kind="activation", producer=None)
+        return out
+
+    def track_unseen_inputs(self, args: object) -> None:
+        """Tensors made outside the dispatcher (``torch.tensor(...)``) still take memory."""
+        for tensor in tree_flatten(args)[0]:
+            if isinstance(tensor, torch.Tensor) and not self.is_tracked(tensor):
+                self.track(tensor, kind="other", producer=None)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Measurement:
+    peak_bytes: int
+    meter: str
+
+
+def preexisting_tensors(
+    module: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    extra: Iterable[torch.Tensor] = (),
+) -> list[tuple[torch.Tensor, str]]:
+    """Every tensor alive before a step starts, with the kind of memory it is."""
+    found: list[tuple[torch.Tensor, str]] = []
+    found += [(p, "param") for p in module.parameters()]
+    found += [(p.grad, "grad") for p in module.parameters() if p.grad is not None]
+    found += [(b, "buffer") for b in module.buffers()]
+    if optimizer is not None:
+        for state in optimizer.state.values():
+            found += [(v, "optimizer") for v in state.values() if isinstance(v, torch.Tensor)]
+    found += [(t, "input") for t in extra]
+    return found
+
+
+def measure_step(
+    step: Callable[[], None],
+    *,
+    device: torch.device,
+    preexisting: list[tuple[torch.Tensor, str]],
+) -> Measurement:
+    """Run ``step`` once and return its peak memory with the device's meter."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        step()
+        torch.cuda.synchronize(device)
+        return Measurement(peak_bytes=int(torch.cuda.max_memory_allocated(device)), meter="cuda-allocator")
+    meter = LiveStorageMeter()
+    for tensor, kind in preexisting:
+        meter.track(tensor, kind=kind, producer=None)
+    with meter:
+        step()
+    return Measurement(peak_bytes=meter.peak_bytes, meter="live-storages")

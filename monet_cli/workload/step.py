@@ -1,0 +1,246 @@
+"""The training step monet profiles and schedules.
+
+One step is ``zero_grad(set_to_none=True)``, forward, loss, backward, optimizer step.
+Inputs and labels are random but seeded, so every rebuild feeds the same data.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from monet_cli.core.profile import LOSS_MODULE, InputSpec, ModelSpec
+from monet_cli.errors import DeviceError, ModelError, UsageError
+from monet_cli.workload.resolve import build_model
+
+# Activation modules whose in-place mode stops a schedule from keeping their output.
+_ACTIVATIONS_WITH_INPLACE = (
+    nn.ReLU, nn.ReLU6, nn.Hardtanh, nn.LeakyReLU, nn.SiLU, nn.Hardswish, nn.Hardsigmoid,
+    nn.ELU, nn.CELU, nn.SELU, nn.Mish, nn.RReLU, nn.Threshold,
+)
+
+_DTYPES = {
+    "float32": torch.float32, "float": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+    "float64": torch.float64, "int64": torch.int64, "long": torch.int64, "int32": torch.int32,
+}
+
+
+def resolve_device(text: str) -> torch.device:
+    """``auto`` picks CUDA when present; asking for CUDA without a GPU is an error."""
+    if text == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        raise UsageError(f"--device '{text}': expected auto, cpu, cuda or cuda:N") from None
+    if device.type not in ("cpu", "cuda"):
+        raise UsageError(f"--device '{text}': only cpu and cuda are supported")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise DeviceError(f"--device {text}: no CUDA GPU is available on this machine (use --device cpu)")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise DeviceError(f"--device {text}: only {torch.cuda.device_count()} CUDA device(s) present")
+    return device
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    if name not in _DTYPES:
+        raise UsageError(f"input dtype '{name}': expected one of {', '.join(sorted(_DTYPES))}")
+    return _DTYPES[name]
+
+
+def make_out_of_place(model: nn.Module) -> int:
+    """Switch in-place activation modules to out-of-place; returns how many changed.
+
+    Autograd keeps a ReLU's output; when the ReLU runs in place that output is the
+    BatchNorm's output mutated, which selective checkpointing refuses to keep. The
+    out-of-place version costs no memory when the next op saves the output anyway.
+    """
+    changed = 0
+    for module in model.modules():
+        if isinstance(module, _ACTIVATIONS_WITH_INPLACE) and getattr(module, "inplace", False):
+            module.inplace = False
+            changed += 1
+    return changed
+
+
+def make_inputs(specs: tuple[InputSpec, ...], batch_size: int, device: torch.device, seed: int) -> tuple[torch.Tensor, ...]:
+    generator = torch.Generator().manual_seed(seed + 1)
+    tensors = []
+    for spec in specs:
+        dtype = parse_dtype(spec.dtype)
+        shape = (batch_size, *spec.shape)
+        if dtype.is_floating_point:
+            tensor = torch.randn(shape, generator=generator).to(dtype)
+        else:
+            low = 0 if spec.low is None else spec.low
+            high = 2 if spec.high is None else spec.high
+            tensor = torch.randint(low, high, shape, generator=generator, dtype=dtype)
+        tensors.append(tensor.to(device))
+    return tuple(tensors)
+
+
+def make_optimizer(model: nn.Module, spec: ModelSpec) -> torch.optim.Optimizer | None:
+    opt = spec.optimizer
+    params = [p for p in model.parameters() if p.requires_grad]
+    if opt.name == "none" or not params:
+        return None
+    if opt.name == "sgd":
+        return torch.optim.SGD(params, lr=opt.lr, momentum=opt.momentum, weight_decay=opt.weight_decay)
+    if opt.name == "adamw":
+        return torch.optim.AdamW(params, lr=opt.lr, weight_decay=opt.weight_decay)
+    raise UsageError(f"--optimizer '{opt.name}': expected sgd, adamw or none")
+
+
+def first_tensor(output: Any) -> torch.Tensor:
+    """The tensor a default loss is computed on (models may return tuples or dicts)."""
+    if isinstance(output, torch.Tensor):
+        return output
+    if isinstance(output, dict):
+        output = list(output.values())
+    if isinstance(output, (list, tuple)):
+        for item in output:
+            if isinstance(item, torch.Tensor):
+                return item
+    raise ModelError(f"the model returned {type(output).__name__}; the default loss needs a tensor output")
+
+
+@dataclass
+class LossFunction:
+    """Named loss with lazily drawn, then fixed, random labels."""
+
+    name: str
+    seed: int
+    _target: torch.Tensor | None = field(default=None, repr=False)
+    _custom: Callable[[Any], torch.Tensor] | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        if ":" in self.name:
+            module_name, _, attr = self.name.partition(":")
+            try:
+                self._custom = getattr(importlib.import_module(module_name), attr)
+            except (ImportError, AttributeError) as err:
+                raise UsageError(f"loss '{self.name}': cannot import: {err}") from None
+        elif self.name not in ("auto", "cross_entropy", "token_cross_entropy", "mean_square"):
+            raise UsageError(
+                f"loss '{self.name}': expected auto, cross_entropy, token_cross_entropy, "
+                "mean_square or package.module:function"
+            )
+
+    def __call__(self, output: Any) -> torch.Tensor:
+        if self._custom is not None:
+            return self._custom(output)
+        out = first_tensor(output)
+        kind = self.name
+        if kind == "auto":
+            kind = "cross_entropy" if out.dim() == 2 and out.is_floating_point() else "mean_square"
+        if kind == "mean_square":
+            return out.float().pow(2).mean()
+        if kind == "cross_entropy":
+            return F.cross_entropy(out, self.target(out.shape[:1], out.shape[1], out.device))
+        if out.dim() != 3:
+            raise ModelError(f"token_cross_entropy needs [N, T, vocab] logits, got shape {tuple(out.shape)}")
+        logits = out.reshape(-1, out.shape[-1])
+        return F.cross_entropy(logits, self.target(logits.shape[:1], out.shape[-1], out.device))
+
+    def target(self, shape: torch.Size, classes: int, device: torch.device) -> torch.Tensor:
+        if self._target is None or self._target.shape != shape:
+            generator = torch.Generator().manual_seed(self.seed + 2)
+            self._target = torch.randint(0, classes, tuple(shape), generator=generator).to(device)
+        return self._target
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [] if self._target is None else [self._target]
+
+
+@dataclass
+class Workload:
+    """A model with its data, loss and optimizer: everything one step needs."""
+
+    spec: ModelSpec
+    model: nn.Module
+    inputs: tuple[torch.Tensor, ...]
+    loss_fn: LossFunction
+    optimizer: torch.optim.Optimizer | None
+    device: torch.device
+    module_names: dict[int, str] = field(default_factory=dict)
+
+    def forward_loss(self) -> torch.Tensor:
+        output = self.model(*self.inputs)
+        with loss_scope():
+            return self.loss_fn(output)
+
+    def zero_grad(self) -> None:
+        if self.optimizer is not None:
+            self.optimizer.zero_grad(set_to_none=True)
+        else:
+            self.model.zero_grad(set_to_none=True)
+
+    def step(self, on_phase: Callable[[str, torch.Tensor], None] | None = None) -> float:
+        """Forward, loss, backward, optimizer step (grads must already be cleared).
+
+        ``on_phase(name, loss)`` is called as backward and the optimizer step begin.
+        """
+        loss = self.forward_loss()
+        if on_phase:
+            on_phase("backward", loss)
+        loss.backward()
+        if on_phase:
+            on_phase("optimizer", loss)
+        if self.optimizer is not None:
+            self.optimizer.step()
+        return float(loss.detach())
+
+    def data_tensors(self) -> list[torch.Tensor]:
+        return [*self.inputs, *self.loss_fn.tensors()]
+
+
+class loss_scope:
+    """Marks ops run while computing the loss (outside the model) for the recorder."""
+
+    active = False
+
+    def __enter__(self) -> None:
+        loss_scope.active = True
+
+    def __exit__(self, *exc: object) -> None:
+        loss_scope.active = False
+
+
+def build_workload(spec: ModelSpec, device: torch.device) -> Workload:
+    model = build_model(spec)
+    if spec.out_of_place_activations:
+        make_out_of_place(model)
+    model.to(device).train()
+    inputs = make_inputs(spec.inputs, spec.batch_size, device, spec.seed)
+    return Workload(
+        spec=spec,
+        model=model,
+        inputs=inputs,
+        loss_fn=LossFunction(spec.loss, spec.seed),
+        optimizer=make_optimizer(model, spec),
+        device=device,
+        module_names={id(m): name for name, m in model.named_modules()},
+    )
+
+
+def run_checked(action: Callable[[], Any], what: str) -> Any:
+    """Run user-model code; its exceptions become one-line ``ModelError``s."""
+    try:
+        return action()
+    except (UsageError, ModelError):
+        raise
+    except torch.cuda.OutOfMemoryError as err:
+        raise ModelError(f"{what}: out of GPU memory: {str(err).splitlines()[0]}") from None
+    except Exception as err:
+        lines = str(err).strip().splitlines()
+        raise ModelError(f"{what}: the model raised {type(err).__name__}: {lines[0] if lines else ''}") from None
+
+
+__all__ = ["LOSS_MODULE", "Workload", "build_workload", "resolve_device", "run_checked"]

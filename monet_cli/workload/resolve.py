@@ -9,6 +9,8 @@ from __future__ import annotations
 import difflib
 import importlib
 import inspect
+import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -142,6 +144,9 @@ def _factory(spec: ModelSpec) -> Any:
 
         return lambda **kw: torchvision.models.get_model(spec.target, weights=None, **kw)
     module_name, _, attr = spec.target.partition(":")
+    # Like uvicorn or ``python -m``: the user's own package in the working directory imports.
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())
     try:
         module = importlib.import_module(module_name)
     except ImportError as err:

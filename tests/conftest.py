@@ -1,0 +1,31 @@
+from __future__ import annotations
+
+import pytest
+import torch
+
+from monet_cli.core.profile import InputSpec
+from monet_cli.profiler.run import profile_model
+from monet_cli.workload.resolve import Overrides, resolve_model_spec
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+def small_spec(model: str = "resnet18", shape=(3, 32, 32), batch_size: int = 2, **kwargs):
+    return resolve_model_spec(model, Overrides(batch_size=batch_size, inputs=(InputSpec(shape=shape),), **kwargs))
+
+
+@pytest.fixture(scope="session")
+def resnet18_profile():
+    return profile_model(small_spec(), torch.device("cpu"), steps=1)
+
+
+@pytest.fixture(scope="session")
+def skip_cnn_profile():
+    return profile_model(small_spec("tests.models_for_tests:skip_cnn"), torch.device("cpu"), steps=1)

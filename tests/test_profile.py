@@ -1,0 +1,153 @@
+"""The profile measures what a step really costs, and its file round-trips exactly."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from conftest import small_spec
+from monet_cli.core.profile import dump_profile, load_profile, profile_from_data, save_profile
+from monet_cli.core.yamlio import load_yaml_file
+from monet_cli.profiler.capture import StepRecorder
+from monet_cli.profiler.run import profile_model
+from monet_cli.runtime.meter import LiveStorageMeter, measure_step, preexisting_tensors
+from monet_cli.workload.step import build_workload
+
+CPU = torch.device("cpu")
+
+
+def _warm_workload(spec):
+    workload = build_workload(spec, CPU)
+    workload.zero_grad()
+    workload.step()
+    workload.zero_grad()
+    return workload
+
+
+def test_profile_file_round_trips(resnet18_profile, tmp_path):
+    path = tmp_path / "r18.profile.yaml"
+    save_profile(resnet18_profile, path)
+    loaded = load_profile(path)
+    assert loaded == resnet18_profile
+    assert dump_profile(loaded) == path.read_text()
+
+
+def test_profile_keys_and_types(resnet18_profile, tmp_path):
+    path = tmp_path / "p.yaml"
+    save_profile(resnet18_profile, path)
+    data = load_yaml_file(path)
+    assert list(data)[:10] == [
+        "schema_version", "kind", "model", "device", "env", "fingerprint", "baseline", "memory", "created_at", "ops",
+    ]
+    assert data["schema_version"] == 1 and data["kind"] == "monet.profile"
+    assert isinstance(data["baseline"]["peak_bytes"], int)
+    assert isinstance(data["baseline"]["step_ms"], float)
+    assert set(data["env"]) == {"monet", "torch", "torchvision", "ortools", "python"}
+    op = data["ops"][0]
+    assert op["op"] == "aten.convolution.default" and op["module"] == "conv1"
+    assert isinstance(op["out_bytes"], int) and isinstance(op["time_ms"], float)
+
+
+def test_baseline_peak_equals_meter_on_same_step(resnet18_profile):
+    workload = _warm_workload(small_spec())
+    pre = preexisting_tensors(workload.model, workload.optimizer, workload.data_tensors())
+    measured = measure_step(workload.step, device=CPU, preexisting=pre)
+    assert measured.meter == "live-storages"
+    assert measured.peak_bytes == resnet18_profile.baseline.peak_bytes
+
+
+def test_recorder_sees_the_same_peak_as_the_plain_meter():
+    workload = _warm_workload(small_spec("tests.models_for_tests:skip_cnn"))
+    pre = preexisting_tensors(workload.model, workload.optimizer, workload.data_tensors())
+    plain = measure_step(workload.step, device=CPU, preexisting=pre).peak_bytes
+    recorder = StepRecorder(workload)
+    recorder.record_step()
+    assert recorder.peak_bytes == plain
+
+
+def test_meter_is_deterministic():
+    workload = _warm_workload(small_spec())
+    peaks = set()
+    for _ in range(2):
+        workload.zero_grad()
+        pre = preexisting_tensors(workload.model, workload.optimizer, workload.data_tensors())
+        peaks.add(measure_step(workload.step, device=CPU, preexisting=pre).peak_bytes)
+    assert len(peaks) == 1
+
+
+def _live_activations_after_forward(spec) -> int:
+    workload = _warm_workload(spec)
+    meter = LiveStorageMeter()
+    meter.register(t for t, _ in preexisting_tensors(workload.model, workload.optimizer, workload.data_tensors()))
+    before = meter.current_bytes
+    with meter:
+        loss = workload.forward_loss()
+    return meter.current_bytes - before - loss.untyped_storage().nbytes()
+
+
+def test_saved_bytes_add_up_to_live_activations(resnet18_profile, skip_cnn_profile):
+    for profile, spec in [(resnet18_profile, small_spec()), (skip_cnn_profile, small_spec("tests.models_for_tests:skip_cnn"))]:
+        live = _live_activations_after_forward(spec)
+        assert sum(op.saved_bytes for op in profile.ops) == live
+        assert profile.memory.saved_activation_bytes == live
+
+
+def test_fingerprint_stable_and_batch_sensitive(resnet18_profile):
+    again = profile_model(small_spec(), CPU, steps=1)
+    assert again.fingerprint == resnet18_profile.fingerprint
+    bigger = profile_model(small_spec(batch_size=3), CPU, steps=1)
+    assert bigger.fingerprint.shapes != resnet18_profile.fingerprint.shapes
+    assert bigger.fingerprint.structure == resnet18_profile.fingerprint.structure
+
+
+def test_ops_consumers_and_inplace_groups(skip_cnn_profile):
+    ops = skip_cnn_profile.ops
+    for op in ops:
+        for consumer in op.consumers:
+            assert consumer > op.index and op.index in ops[consumer].inputs
+    # BatchNorm's num_batches_tracked += 1 writes a buffer, not an activation: no group.
+    assert all(op.inplace_of is None for op in ops if op.op == "aten.add_.Tensor")
+    cat = next(op for op in ops if op.op == "aten.cat.default")
+    assert len(cat.inputs) == 2  # both branches of the concatenation skip
+
+
+def test_segments_are_module_calls(skip_cnn_profile):
+    calls = {c.fqn: c for c in skip_cnn_profile.calls}
+    assert calls["stem"].checkpointable and calls["body"].checkpointable
+    assert not calls[""].checkpointable  # the model itself is never a segment
+    for call in skip_cnn_profile.calls:
+        assert call.first_op <= call.end_op
+        assert all(skip_cnn_profile.ops[i].module.startswith(call.fqn) for i in range(call.first_op, call.end_op))
+
+
+def test_out_of_place_activations_are_recorded(skip_cnn_profile):
+    names = [op.op for op in skip_cnn_profile.ops]
+    assert "aten.relu.default" in names and "aten.relu_.default" not in names
+
+
+def test_backward_events(resnet18_profile):
+    p = resnet18_profile
+    assert p.backward[0].pos == len(p.ops)
+    assert {b.phase for b in p.backward} == {"backward", "optimizer"}
+    grads = [s for s in p.storages if s.kind == "grad"]
+    assert sum(s.bytes for s in grads) == p.memory.grad_bytes == p.memory.param_bytes
+    assert all(s.alloc >= len(p.ops) and s.free is None for s in grads)
+    activation_packs = [pk for pk in p.packs if p.storages[pk.storage].kind == "activation"]
+    assert activation_packs and all(pk.release is not None and pk.release >= len(p.ops) for pk in activation_packs)
+
+
+def test_loader_rejects_changed_types(resnet18_profile):
+    import pytest
+
+    from monet_cli.core.codec import to_data
+    from monet_cli.errors import FileFormatError
+
+    data = to_data(resnet18_profile)
+    data["baseline"] = dict(data["baseline"], peak_bytes="lots")
+    with pytest.raises(FileFormatError, match=r"x.yaml: baseline.peak_bytes: expected int"):
+        profile_from_data(data, source="x.yaml")
+    data = to_data(dataclasses.replace(resnet18_profile))
+    del data["fingerprint"]
+    with pytest.raises(FileFormatError, match=r"x.yaml: fingerprint: missing key"):
+        profile_from_data(data, source="x.yaml")

@@ -141,6 +141,8 @@ class ModuleCall:
     parent: int | None
     checkpointable: bool
     """A segment candidate: called once, runs ops, does not write its inputs in place."""
+    inputs: tuple[int, ...] = ()
+    """Storages of its tensor arguments: checkpoint holds them until its backward is done."""
 
 
 @flow_row

@@ -58,6 +58,7 @@ class RawCall:
     type: str
     first_op: int
     parent: int | None
+    inputs: list[int]
     end_op: int = -1
 
 
@@ -180,7 +181,12 @@ class StepRecorder(LiveStorageMeter):
         index = len(self.calls)
         fqn = self.workload.module_names.get(id(module), f"<{type(module).__name__}>")
         parent = self.stack[-1] if self.stack else None
-        self.calls.append(RawCall(index=index, fqn=fqn, type=type(module).__name__, first_op=self.pos, parent=parent))
+        tensors = [t for t in tree_flatten(args)[0] if isinstance(t, torch.Tensor) and t.device.type != "meta"]
+        self.track_unseen_inputs(tensors)
+        inputs = sorted({self.sid_of(t) for t in tensors})
+        self.calls.append(
+            RawCall(index=index, fqn=fqn, type=type(module).__name__, first_op=self.pos, parent=parent, inputs=inputs)
+        )
         self.stack.append(index)
 
     def _post_hook(self, module: torch.nn.Module, args: object, output: object) -> None:

@@ -13,6 +13,7 @@ import torch
 from monet_cli import __version__
 from monet_cli.core.fingerprint import shapes_hash, structure_hash
 from monet_cli.core.profile import (
+    LOSS_MODULE,
     PROFILE_KIND,
     SCHEMA_VERSION,
     Baseline,
@@ -127,8 +128,9 @@ def build_profile(
         device=device_info(workload.device),
         env=env_info(),
         fingerprint=Fingerprint(
-            structure=structure_hash((op.op, op.module) for op in forward),
-            shapes=shapes_hash(op.signature for op in forward),
+            # Model ops only: apply() checks a user's model, which runs without our loss.
+            structure=structure_hash((op.op, op.module) for op in forward if op.module != LOSS_MODULE),
+            shapes=shapes_hash(op.signature for op in forward if op.module != LOSS_MODULE),
             device_type=workload.device.type,
             torch=torch.__version__.split("+")[0],
         ),
@@ -230,6 +232,7 @@ def _call_records(recorder: StepRecorder, storages: tuple[StorageRecord, ...]) -
             index=c.index, fqn=c.fqn, type=c.type, first_op=c.first_op, end_op=c.end_op, parent=c.parent,
             checkpointable=c.parent is not None and counts[c.fqn] == 1 and c.end_op > c.first_op
             and not _writes_outside_activations(recorder, storages, c.first_op, c.end_op),
+            inputs=tuple(c.inputs),
         )
         for c in recorder.calls
     )

@@ -1,0 +1,91 @@
+"""Turn a plan (chosen segments and kept ops) into a schedule, scored by the simulator."""
+
+from __future__ import annotations
+
+import datetime as _dt
+
+from monet_cli.core.profile import Profile
+from monet_cli.core.schedule import (
+    EXECUTOR,
+    SCHEDULE_KIND,
+    SCHEMA_VERSION,
+    OpDecision,
+    Predicted,
+    Schedule,
+    SegmentDecision,
+    SolverInfo,
+)
+from monet_cli.core.segments import SegmentModel
+from monet_cli.core.simulate import Plan, SimResult, simulate
+
+
+def segment_decisions(model: SegmentModel, plan: Plan) -> tuple[SegmentDecision, ...]:
+    """Decisions in forward order: every keep candidate gets keep or recompute."""
+    ops = model.profile.ops
+    segments = []
+    for call in sorted(plan, key=lambda c: model.segments[c].first_op):
+        seg = model.segments[call]
+        decisions = tuple(
+            OpDecision(
+                index=i, op=ops[i].op, occurrence=model.occurrence(call, i),
+                action="keep" if i in plan[call] else "recompute",
+            )
+            for i in seg.candidates
+        )
+        segments.append(
+            SegmentDecision(
+                module=seg.fqn, call=call, first_op=seg.first_op, end_op=seg.end_op,
+                recompute_ms=round(model.recompute_ms(call, plan[call]), 4), decisions=decisions,
+            )
+        )
+    return tuple(segments)
+
+
+def plan_of(schedule: Schedule) -> Plan:
+    return {s.call: s.kept_ops() for s in schedule.segments}
+
+
+def predicted(profile: Profile, result: SimResult) -> Predicted:
+    base = profile.baseline
+    return Predicted(
+        peak_bytes=result.peak_bytes,
+        step_ms=round(result.step_ms, 4),
+        overhead=round(result.step_ms / base.step_ms - 1.0, 6) if base.step_ms > 0 else 0.0,
+        baseline_peak_bytes=base.peak_bytes,
+        baseline_step_ms=base.step_ms,
+        peak_pos=result.peak_pos,
+    )
+
+
+def build_schedule(
+    profile: Profile,
+    plan: Plan,
+    *,
+    budget_bytes: int,
+    budget_spec: str,
+    solver: SolverInfo,
+    profile_sha256: str,
+    model: SegmentModel | None = None,
+    created_at: str | None = None,
+) -> Schedule:
+    model = model or SegmentModel(profile)
+    result = simulate(profile, plan, model=model)
+    return Schedule(
+        schema_version=SCHEMA_VERSION,
+        kind=SCHEDULE_KIND,
+        budget_bytes=budget_bytes,
+        budget_spec=budget_spec,
+        model=profile.model,
+        fingerprint=profile.fingerprint,
+        profile_sha256=profile_sha256,
+        predicted=predicted(profile, result),
+        solver=solver,
+        env=profile.env,
+        executor=EXECUTOR,
+        created_at=created_at if created_at is not None else _now(),
+        segments=segment_decisions(model, plan),
+    )
+
+
+def _now() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat()

@@ -1,0 +1,125 @@
+"""The schedule: which module calls become checkpointed segments and, inside each, which
+op outputs are kept from the forward (the rest are recomputed in backward).
+
+Each decision names an op by its aten overload and its occurrence among ops of that
+overload inside the segment: the key selective activation checkpointing uses. The
+``action`` field is an open set of names so later versions can add ``offload`` or
+``compress`` without a format break; ``impl`` names an operator variant.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from monet_cli.core.codec import flow_row, from_data, to_data
+from monet_cli.core.profile import EnvInfo, Fingerprint, ModelSpec, check_header
+from monet_cli.core.yamlio import atomic_write_text, dump_yaml, load_yaml_file
+
+SCHEDULE_KIND = "monet.schedule"
+SCHEMA_VERSION = 1
+KNOWN_ACTIONS = ("keep", "recompute")
+EXECUTOR = "segments+sac"
+
+
+@flow_row
+@dataclass(frozen=True, kw_only=True, slots=True)
+class OpDecision:
+    index: int
+    """Position of the op in the profile's forward."""
+    op: str
+    occurrence: int
+    """How many ops of the same overload ran before it inside the segment."""
+    action: str
+    """``keep`` (saved from the forward) or ``recompute``."""
+    impl: str | None = None
+    """Operator variant; None = PyTorch's default."""
+
+    def __post_init__(self) -> None:
+        if self.action not in KNOWN_ACTIONS:
+            raise ValueError(f"unknown action {self.action!r} for op {self.index} (known: {', '.join(KNOWN_ACTIONS)})")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SegmentDecision:
+    module: str
+    """Module path whose forward runs under checkpoint."""
+    call: int
+    first_op: int
+    end_op: int
+    recompute_ms: float
+    decisions: tuple[OpDecision, ...] = ()
+    """One entry per op whose output autograd saves; other ops are simply re-run."""
+
+    def kept_ops(self) -> frozenset[int]:
+        return frozenset(d.index for d in self.decisions if d.action == "keep")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Predicted:
+    peak_bytes: int
+    step_ms: float
+    overhead: float
+    """Predicted step_ms / baseline step_ms - 1."""
+    baseline_peak_bytes: int
+    baseline_step_ms: float
+    peak_pos: int
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SolverInfo:
+    method: str
+    status: str
+    objective: float | None
+    bound: float | None
+    gap: float | None
+    time_s: float
+    workers: int
+    seed: int
+    time_limit_s: float
+    ortools: str
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Schedule:
+    schema_version: int
+    kind: str
+    budget_bytes: int
+    budget_spec: str
+    model: ModelSpec
+    fingerprint: Fingerprint
+    profile_sha256: str
+    predicted: Predicted
+    solver: SolverInfo
+    env: EnvInfo
+    executor: str = EXECUTOR
+    created_at: str = ""
+    segments: tuple[SegmentDecision, ...] = field(default_factory=tuple)
+
+    def kept(self) -> dict[int, frozenset[int]]:
+        """Segment call index -> kept op indices."""
+        return {s.call: s.kept_ops() for s in self.segments}
+
+
+def schedule_to_data(schedule: Schedule) -> dict[str, Any]:
+    return to_data(schedule)
+
+
+def save_schedule(schedule: Schedule, path: Path) -> None:
+    atomic_write_text(Path(path), dump_yaml(to_data(schedule)))
+
+
+def schedule_from_data(data: dict[str, Any], *, source: str) -> Schedule:
+    check_header(data, source=source, kind=SCHEDULE_KIND)
+    return from_data(Schedule, data, source=source)
+
+
+def load_schedule(path: Path) -> Schedule:
+    path = Path(path)
+    return schedule_from_data(load_yaml_file(path), source=str(path))
+
+
+def file_sha256(path: Path) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()

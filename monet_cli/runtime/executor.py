@@ -1,0 +1,154 @@
+"""Apply a schedule to a model: checkpointed segments with a per-op keep policy.
+
+Each scheduled module's ``forward`` runs under non-reentrant ``torch.utils.checkpoint``
+(``preserve_rng_state=True``, so dropout draws the same mask on recompute) with a
+selective-checkpointing policy that keeps exactly the ops the schedule marks ``keep``,
+keyed by (aten overload, occurrence within the segment). BatchNorm layers inside a
+segment are guarded so a recompute does not update their running statistics again.
+On the first forward the op sequence is fingerprinted and checked against the schedule.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections import defaultdict
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+from monet_cli.core.schedule import Schedule, load_schedule
+from monet_cli.errors import FingerprintError
+from monet_cli.runtime.fingerprint import FirstForwardCheck
+from monet_cli.workload.step import make_out_of_place
+
+_APPLIED = "_monet_schedule"
+
+
+def apply_schedule(model: nn.Module, schedule: Schedule | str | Path, *, check_fingerprint: bool = True) -> nn.Module:
+    """Install ``schedule`` on ``model`` (before DDP/FSDP wrapping) and return the model."""
+    if not isinstance(schedule, Schedule):
+        schedule = load_schedule(Path(schedule))
+    if getattr(model, _APPLIED, None) is not None:
+        raise FingerprintError("a monet schedule is already applied to this model")
+    if schedule.model.out_of_place_activations:
+        make_out_of_place(model)
+    modules = dict(model.named_modules())
+    marker = _MachineryMarker()
+    for segment in schedule.segments:
+        module = modules.get(segment.module)
+        if module is None:
+            raise FingerprintError(
+                f"schedule segment '{segment.module}' is not a module of this model "
+                "(the schedule was made for another model)"
+            )
+        keep = frozenset((d.op, d.occurrence) for d in segment.decisions if d.action == "keep")
+        _wrap_forward(module, keep, marker)
+        _guard_batchnorms(module)
+    if check_fingerprint:
+        FirstForwardCheck(model, schedule.fingerprint, marker).install()
+    setattr(model, _APPLIED, schedule)
+    return model
+
+
+def applied_schedule(model: nn.Module) -> Schedule | None:
+    return getattr(model, _APPLIED, None)
+
+
+class _MachineryMarker:
+    """True while checkpoint's own bookkeeping runs, so fingerprinting skips its ops."""
+
+    def __init__(self) -> None:
+        self.depth = 0
+
+    @property
+    def active(self) -> bool:
+        return self.depth > 0
+
+
+def _keep_policy(keep: frozenset[tuple[str, int]]) -> Callable[[], Any]:
+    """A fresh per-call context: counts ops per overload, keeps the scheduled ones."""
+
+    def context_fn():
+        counters: dict[str, int] = defaultdict(int)
+
+        def policy(ctx, op, *args, **kwargs):
+            name = str(op)
+            occurrence = counters[name]
+            counters[name] += 1
+            if (name, occurrence) in keep:
+                return CheckpointPolicy.MUST_SAVE
+            return CheckpointPolicy.PREFER_RECOMPUTE
+
+        return create_selective_checkpoint_contexts(policy)
+
+    return context_fn
+
+
+def _wrap_forward(module: nn.Module, keep: frozenset[tuple[str, int]], marker: _MachineryMarker) -> None:
+    original = module.forward
+    context_fn = _keep_policy(keep)
+
+    def run_original(*args: Any, **kwargs: Any) -> Any:
+        marker.depth -= 1
+        try:
+            return original(*args, **kwargs)
+        finally:
+            marker.depth += 1
+
+    @functools.wraps(original)
+    def checkpointed(*args: Any, **kwargs: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return original(*args, **kwargs)  # eval / no_grad: nothing to save
+        marker.depth += 1
+        try:
+            return checkpoint(
+                run_original, *args, use_reentrant=False, preserve_rng_state=True,
+                context_fn=context_fn, determinism_check="default", **kwargs,
+            )
+        finally:
+            marker.depth -= 1
+
+    module.forward = checkpointed
+
+
+def _guard_batchnorms(segment: nn.Module) -> None:
+    for module in segment.modules():
+        if isinstance(module, nn.modules.batchnorm._BatchNorm) and not getattr(module, "_monet_guarded", False):
+            module.register_forward_pre_hook(_bn_pre_hook)
+            module.register_forward_hook(_bn_post_hook)
+            module._monet_guarded = True
+
+
+def _in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
+
+
+def _bn_pre_hook(module: nn.Module, args: Any) -> None:
+    # A forward call during backward is a recompute: freeze the running statistics
+    # (momentum 0 keeps them) and remember the batch counter to restore it after.
+    if not (module.training and _in_backward()):
+        return
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with torch.no_grad(), _disable_current_modes():
+        counter = None if module.num_batches_tracked is None else module.num_batches_tracked.clone()
+    module._monet_saved = (module.momentum, counter)
+    module.momentum = 0.0
+
+
+def _bn_post_hook(module: nn.Module, args: Any, output: Any) -> None:
+    saved = getattr(module, "_monet_saved", None)
+    if saved is None:
+        return
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    momentum, counter = saved
+    module.momentum = momentum
+    if counter is not None:
+        with torch.no_grad(), _disable_current_modes():
+            module.num_batches_tracked.copy_(counter)
+    module._monet_saved = None

@@ -1,0 +1,144 @@
+"""Check on the first forward that a model is the one a schedule was made for."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from monet_cli.core.fingerprint import shapes_hash, structure_hash
+from monet_cli.core.profile import Fingerprint
+from monet_cli.errors import FingerprintError
+
+# Same exclusions as the profiler's recorder (autograd-saving details, not model ops).
+IGNORED_OPS = frozenset({"aten.detach.default", "prim.device.default"})
+
+
+def signature(tensors: list[torch.Tensor]) -> str:
+    return ";".join(f"{tuple(t.shape)}:{str(t.dtype).removeprefix('torch.')}" for t in tensors)
+
+
+def torch_version() -> str:
+    return torch.__version__.split("+")[0]
+
+
+class OpSequence(TorchDispatchMode):
+    """Records (overload, module path, argument signature) of every forward op."""
+
+    def __init__(self, module_path: Any, skip: Any = None) -> None:
+        super().__init__()
+        self.module_path = module_path
+        self.skip = skip
+        self.ops: list[tuple[str, str, str]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = str(func)
+        if name not in IGNORED_OPS and not (self.skip is not None and self.skip.active):
+            tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+            self.ops.append((name, self.module_path(), signature(tensors)))
+        return func(*args, **kwargs)
+
+    def fingerprint(self, device_type: str) -> Fingerprint:
+        return Fingerprint(
+            structure=structure_hash((op, module) for op, module, _ in self.ops),
+            shapes=shapes_hash(sig for _, _, sig in self.ops),
+            device_type=device_type,
+            torch=torch_version(),
+        )
+
+
+class ModuleStack:
+    """Tracks the innermost running module's path through global module hooks."""
+
+    def __init__(self, root: nn.Module) -> None:
+        self.names = {id(m): name for name, m in root.named_modules()}
+        self.stack: list[str] = []
+        self._handles: list[Any] = []
+
+    def path(self) -> str:
+        return self.stack[-1] if self.stack else ""
+
+    def __enter__(self) -> "ModuleStack":
+        def pre(module, args):
+            self.stack.append(self.names.get(id(module), f"<{type(module).__name__}>"))
+
+        def post(module, args, output):
+            if self.stack:
+                self.stack.pop()
+
+        self._handles = [
+            nn.modules.module.register_module_forward_pre_hook(pre),
+            nn.modules.module.register_module_forward_hook(post),
+        ]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self.stack.clear()
+
+
+def mismatch(expected: Fingerprint, found: Fingerprint) -> str | None:
+    """Why two fingerprints differ, in words, or None when they match."""
+    if expected.device_type != found.device_type:
+        return f"it was made on {expected.device_type}, this model runs on {found.device_type}"
+    if expected.torch != found.torch:
+        return f"it was made with torch {expected.torch}, this is torch {found.torch}"
+    if expected.structure != found.structure:
+        return "the model's ops differ (another model or architecture)"
+    if expected.shapes != found.shapes:
+        return "the input shapes differ (another batch size or input size)"
+    return None
+
+
+class FirstForwardCheck:
+    """Fingerprints the first training forward and raises on mismatch."""
+
+    def __init__(self, model: nn.Module, expected: Fingerprint, skip: Any) -> None:
+        self.model = model
+        self.expected = expected
+        self.skip = skip
+        self.done = False
+        self._state: tuple[ModuleStack, OpSequence] | None = None
+        self._handles: list[Any] = []
+
+    def install(self) -> None:
+        self._handles = [
+            self.model.register_forward_pre_hook(self._start),
+            self.model.register_forward_hook(self._finish),
+        ]
+
+    def _start(self, module: nn.Module, args: Any) -> None:
+        if self.done or not torch.is_grad_enabled() or not module.training:
+            return
+        stack = ModuleStack(self.model).__enter__()
+        stack.stack.append("")  # the pre-hook of the root already ran
+        sequence = OpSequence(stack.path, self.skip)
+        sequence.__enter__()
+        self._state = (stack, sequence)
+
+    def _finish(self, module: nn.Module, args: Any, output: Any) -> None:
+        if self._state is None:
+            return
+        stack, sequence = self._state
+        sequence.__exit__(None, None, None)
+        stack.__exit__(None, None, None)
+        self._state = None
+        self.done = True
+        for handle in self._handles:
+            handle.remove()
+        device = _device_of(args, output)
+        problem = mismatch(self.expected, sequence.fingerprint(device))
+        if problem:
+            raise FingerprintError(f"schedule does not match this model: {problem}")
+
+
+def _device_of(args: Any, output: Any) -> str:
+    for tensor in tree_flatten((args, output))[0]:
+        if isinstance(tensor, torch.Tensor):
+            return tensor.device.type
+    return "cpu"

@@ -2,6 +2,31 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
 __version__ = "0.1.0"
 
-__all__ = ["__version__"]
+if TYPE_CHECKING:
+    from torch import nn
+
+    from monet_cli.core.schedule import Schedule
+
+
+def apply(model: "nn.Module", schedule: "Schedule | str | Path", *, check_fingerprint: bool = True) -> "nn.Module":
+    """Install a schedule on your own model (before DDP/FSDP wrapping) and return it.
+
+    The training loop stays unchanged. The first training forward checks the model's
+    fingerprint against the schedule and raises ``monet_cli.errors.FingerprintError``
+    when the schedule was made for another model, batch size, device type or torch.
+    """
+    from monet_cli.runtime.executor import apply_schedule
+
+    return apply_schedule(model, schedule, check_fingerprint=check_fingerprint)
+
+
+def __getattr__(name: str) -> Any:
+    raise AttributeError(f"module 'monet_cli' has no attribute {name!r}")
+
+
+__all__ = ["__version__", "apply"]

@@ -100,16 +100,70 @@ def profile(
         )
 
 
-@app.command(help="Solve for a schedule under a memory budget (coming in the next release).")
-def solve() -> None:
-    typer.echo("monet solve: not implemented yet", err=True)
-    raise typer.Exit(code=1)
+@app.command(
+    help=(
+        "Choose which activations to keep or recompute so the step fits --budget, and write a schedule.\n\n"
+        "Budget: 8G = 8GiB = 8 x 2^30 bytes, 8GB = 8 x 10^9, 512MiB, 500M, plain bytes, or 60% of the "
+        "profile's measured baseline peak.\n\n"
+        "Examples:\n\n  monet solve --budget 60%\n\n  monet solve configs/gpt.profile.yaml --budget 40MiB --time-limit 20\n\n"
+        + EXIT_CODES_HELP
+    ),
+)
+def solve(
+    profile: Annotated[
+        Optional[Path], typer.Argument(help="Profile to plan for. Default: the newest configs/*.profile.yaml.")
+    ] = None,
+    budget: Annotated[str, typer.Option("--budget", help="Peak memory budget, e.g. 8G, 512MiB or 60%.")] = "",
+    output: Annotated[
+        Optional[Path], typer.Option("--output", "-o", help="Schedule file. Default: schedules/NAME-BUDGET.yaml.")
+    ] = None,
+    time_limit: Annotated[float, typer.Option("--time-limit", help="Solver time limit in seconds.")] = 60.0,
+    workers: Annotated[
+        Optional[int], typer.Option(help="CP-SAT workers. Default: CPU cores (max 8); 1 when CI is set.")
+    ] = None,
+    seed: Annotated[int, typer.Option(help="CP-SAT random seed.")] = 0,
+    json_output: Annotated[bool, typer.Option("--json", help="Print a JSON summary on stdout.")] = False,
+) -> None:
+    from monet_cli.cli import solve_cmd
+
+    with user_errors():
+        if not budget:
+            from monet_cli.errors import UsageError
+
+            raise UsageError("--budget is required, e.g. --budget 8G or --budget 60%")
+        solve_cmd.run(
+            solve_cmd.SolveArgs(
+                profile=profile, budget=budget, output=output, time_limit=time_limit, workers=workers,
+                seed=seed, json_output=json_output,
+            )
+        )
 
 
-@app.command(help="Apply a schedule to a training run (coming in the next release).")
-def apply() -> None:
-    typer.echo("monet apply: not implemented yet", err=True)
-    raise typer.Exit(code=1)
+@app.command(
+    help=(
+        "Run a schedule on a real training step next to the unmodified model: measured vs predicted peak, "
+        "step time, and with --check gradient, parameter and BatchNorm-buffer equality.\n\n"
+        "Exits 7 when the measured peak is over the budget or gradients differ, 5 when the schedule does not "
+        "match the model.\n\nExample:\n\n  monet apply schedules/resnet50-60pct.yaml --check\n\n" + EXIT_CODES_HELP
+    ),
+)
+def apply(
+    schedule: Annotated[
+        Optional[Path], typer.Argument(help="Schedule to apply. Default: the newest schedules/*.yaml.")
+    ] = None,
+    steps: Annotated[int, typer.Option(help="Timed steps per model after the first; times are medians.")] = 3,
+    check: Annotated[bool, typer.Option("--check", help="Also compare gradients, parameters and BN buffers.")] = False,
+    device: Annotated[
+        Optional[str], typer.Option(help="cpu, cuda or cuda:N. Default: the device type the schedule was made for.")
+    ] = None,
+    json_output: Annotated[bool, typer.Option("--json", help="Print the result as JSON on stdout.")] = False,
+) -> None:
+    from monet_cli.cli import apply_cmd
+
+    with user_errors():
+        apply_cmd.run(
+            apply_cmd.ApplyArgs(schedule=schedule, steps=steps, check=check, device=device, json_output=json_output)
+        )
 
 
 def main() -> None:

@@ -10,6 +10,7 @@ from rich.console import Console
 from rich.table import Table
 
 from monet_cli.core.profile import Profile
+from monet_cli.core.schedule import Schedule
 from monet_cli.core.units import format_bytes
 
 stderr = Console(stderr=True)
@@ -59,6 +60,32 @@ def profile_table(profile: Profile, path: str) -> Table:
         ("gradients", format_bytes(mem.grad_bytes)),
         ("optimizer state", format_bytes(mem.optimizer_state_bytes)),
         ("kept for backward", format_bytes(mem.saved_activation_bytes)),
+        ("written to", path),
+    ]
+    for name, value in rows:
+        table.add_row(name, value)
+    return table
+
+
+def _gap(value: float | None) -> str:
+    return "-" if value is None else f"{100 * value:.2f}%"
+
+
+def schedule_table(schedule: Schedule, path: str) -> Table:
+    pred, solver = schedule.predicted, schedule.solver
+    table = Table(title=f"monet solve: {schedule.model.name}", show_header=False, title_justify="left")
+    table.add_column("what", style="bold")
+    table.add_column("value")
+    kept = sum(len(s.kept_ops()) for s in schedule.segments)
+    rows = [
+        ("budget", f"{format_bytes(schedule.budget_bytes)}  ({schedule.budget_spec})"),
+        ("predicted peak", f"{format_bytes(pred.peak_bytes)}  (baseline {format_bytes(pred.baseline_peak_bytes)})"),
+        ("predicted step", f"{pred.step_ms:.1f} ms  (baseline {pred.baseline_step_ms:.1f} ms, overhead {100 * pred.overhead:+.1f}%)"),
+        ("segments", f"{len(schedule.segments)} checkpointed, {kept} op outputs kept"),
+        ("solver", f"{solver.method}: {solver.status}"),
+        ("objective / bound", "-" if solver.objective is None else f"{solver.objective:.3f} / {solver.bound:.3f} ms recompute"),
+        ("gap", _gap(solver.gap)),
+        ("time", f"{solver.time_s:.2f} s, {solver.workers} worker(s), seed {solver.seed}"),
         ("written to", path),
     ]
     for name, value in rows:

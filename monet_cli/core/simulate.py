@@ -43,15 +43,27 @@ class SimResult:
     """(position, live bytes after that position's allocations), if requested."""
 
 
-def simulate(profile: Profile, plan: Plan, *, model: SegmentModel | None = None, timeline: bool = False) -> SimResult:
-    model = model or SegmentModel(profile)
+def memory_events(model: SegmentModel, plan: Plan) -> list[tuple[Key, int]]:
+    """Every (key, +/- bytes) memory event of the step under ``plan``, unsorted."""
     _check_plan(model, plan)
     events = _Events(model, plan)
-    for storage in profile.storages:
+    for storage in model.profile.storages:
         events.add_storage(storage)
     for call in plan:
         events.add_burst(call)
-    peak, peak_key, points = _sweep(events.items, timeline)
+    return events.items
+
+
+def burst_key(model: SegmentModel, call: int, op: int, sub: int) -> Key:
+    """Event key of op ``op`` inside segment ``call``'s recompute burst."""
+    seg = model.segments[call]
+    # Later segments run their backward first; order bursts at one position that way.
+    return (seg.burst_pos if seg.burst_pos is not None else model.end, 1, -seg.first_op, op, sub)
+
+
+def simulate(profile: Profile, plan: Plan, *, model: SegmentModel | None = None, timeline: bool = False) -> SimResult:
+    model = model or SegmentModel(profile)
+    peak, peak_key, points = _sweep(memory_events(model, plan), timeline)
     recompute_ms = sum(model.recompute_ms(call, kept) for call, kept in plan.items())
     return SimResult(
         peak_bytes=peak,
@@ -105,9 +117,7 @@ class _Events:
         self.items.append((free, -nbytes))
 
     def burst_key(self, call: int, op: int, sub: int) -> Key:
-        seg = self.model.segments[call]
-        # Later segments run their backward first; order bursts at one position that way.
-        return (seg.burst_pos if seg.burst_pos is not None else self.end, 1, -seg.first_op, op, sub)
+        return burst_key(self.model, call, op, sub)
 
     def burst_end(self, call: int) -> Key:
         return self.burst_key(call, self.model.segments[call].stop, 0)
@@ -170,6 +180,28 @@ class _Events:
                     self.span(alloc, self.burst_key(call, s.free_no_autograd, 0), s.bytes)
                 else:
                     self.span(alloc, self.burst_end(call), s.bytes)
+
+
+def peak_breakdown(model: SegmentModel, plan: Plan) -> dict[str, int]:
+    """Live bytes per storage kind at the simulated peak of ``plan``."""
+    peak, peak_key, _ = _sweep(memory_events(model, plan), False)
+    live: dict[str, int] = {}
+    events = _Events(model, plan)
+    for storage in model.profile.storages:
+        before = len(events.items)
+        events.add_storage(storage)
+        for key, delta in events.items[before:]:
+            if delta > 0 and key <= peak_key:
+                live[storage.kind] = live.get(storage.kind, 0) + delta
+            elif delta < 0 and key <= peak_key:
+                live[storage.kind] = live.get(storage.kind, 0) + delta
+    for call in plan:
+        before = len(events.items)
+        events.add_burst(call)
+        for key, delta in events.items[before:]:
+            if key <= peak_key:
+                live["recomputed"] = live.get("recomputed", 0) + delta
+    return {kind: nbytes for kind, nbytes in sorted(live.items(), key=lambda kv: -kv[1]) if nbytes > 0}
 
 
 def _sweep(items: list[tuple[Key, int]], want_timeline: bool) -> tuple[int, Key, tuple[tuple[int, int], ...]]:

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from monet_cli.core.profile import LOSS_MODULE, InputSpec, ModelSpec
-from monet_cli.errors import DeviceError, ModelError, UsageError
+from monet_cli.errors import DeviceError, ModelError, MonetError, UsageError
 from monet_cli.workload.resolve import build_model
 
 # Activation modules whose in-place mode stops a schedule from keeping their output.
@@ -213,9 +213,11 @@ class loss_scope:
         loss_scope.active = False
 
 
-def build_workload(spec: ModelSpec, device: torch.device) -> Workload:
+def build_workload(spec: ModelSpec, device: torch.device, *, prepare: bool = True) -> Workload:
+    """The model, data, loss and optimizer of ``spec``; ``prepare=False`` leaves the model
+    exactly as its factory built it (the unmodified baseline ``apply`` compares with)."""
     model = build_model(spec)
-    if spec.out_of_place_activations:
+    if prepare and spec.out_of_place_activations:
         make_out_of_place(model)
     model.to(device).train()
     inputs = make_inputs(spec.inputs, spec.batch_size, device, spec.seed)
@@ -234,7 +236,7 @@ def run_checked(action: Callable[[], Any], what: str) -> Any:
     """Run user-model code; its exceptions become one-line ``ModelError``s."""
     try:
         return action()
-    except (UsageError, ModelError):
+    except MonetError:
         raise
     except torch.cuda.OutOfMemoryError as err:
         raise ModelError(f"{what}: out of GPU memory: {str(err).splitlines()[0]}") from None

@@ -1,0 +1,84 @@
+"""``monet apply``: run a schedule against the unmodified model and hold it to its promises."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from monet_cli.core.schedule import load_schedule
+from monet_cli.core.units import format_bytes
+from monet_cli.errors import OverBudgetError, UsageError
+
+
+@dataclass(frozen=True, kw_only=True)
+class ApplyArgs:
+    schedule: Path | None
+    steps: int
+    check: bool
+    device: str | None
+    json_output: bool
+
+
+def report_json(report) -> dict[str, Any]:
+    """Exactly the documented keys, stable for CI jobs."""
+    return {
+        "budget_bytes": report.budget_bytes,
+        "predicted_peak_bytes": report.predicted_peak_bytes,
+        "measured_peak_bytes": report.measured_peak_bytes,
+        "baseline_peak_bytes": report.baseline_peak_bytes,
+        "step_ms": report.step_ms,
+        "baseline_step_ms": report.baseline_step_ms,
+        "grads_match": None if report.check is None else report.check.ok,
+        "within_budget": report.within_budget,
+    }
+
+
+def report_table(report, schedule_path: str):
+    from rich.table import Table
+
+    table = Table(title=f"monet apply: {schedule_path}", title_justify="left")
+    table.add_column("")
+    table.add_column("bytes", justify="right")
+    table.add_column("", justify="right")
+    table.add_row("budget", str(report.budget_bytes), format_bytes(report.budget_bytes))
+    table.add_row("predicted peak", str(report.predicted_peak_bytes), format_bytes(report.predicted_peak_bytes))
+    verdict = "[green]within budget[/green]" if report.within_budget else "[red]OVER BUDGET[/red]"
+    table.add_row("measured peak", str(report.measured_peak_bytes), f"{format_bytes(report.measured_peak_bytes)} {verdict}")
+    table.add_row("baseline peak", str(report.baseline_peak_bytes), format_bytes(report.baseline_peak_bytes))
+    table.add_row("prediction error", "", f"{100 * report.prediction_error:+.2f}% of measured")
+    overhead = report.step_ms / report.baseline_step_ms - 1 if report.baseline_step_ms else 0.0
+    table.add_row("step time", "", f"{report.step_ms:.1f} ms vs {report.baseline_step_ms:.1f} ms ({100 * overhead:+.1f}%)")
+    if report.check is not None:
+        c = report.check
+        status = "[green]equal[/green]" if c.ok else "[red]DIFFER[/red]"
+        table.add_row("gradients", "", f"{status} (max |diff| {c.max_grad_diff:.2e}; params {c.params_match}, BN buffers {c.buffers_match})")
+    return table
+
+
+def run(args: ApplyArgs) -> None:
+    from rich.console import Console
+
+    from monet_cli.cli.render import print_json, stderr
+    from monet_cli.cli.solve_cmd import newest
+    from monet_cli.runtime.compare import run_apply
+    from monet_cli.workload.step import resolve_device
+
+    if args.steps < 1:
+        raise UsageError(f"--steps must be at least 1, got {args.steps}")
+    path = args.schedule or newest("schedules/*.yaml", "schedule")
+    schedule = load_schedule(path)
+    device = resolve_device(args.device or schedule.fingerprint.device_type)
+    with stderr.status("applying ...") as status:
+        report = run_apply(schedule, device, steps=args.steps, check=args.check,
+                           progress=lambda label: status.update(f"apply: {label}"))
+    if args.json_output:
+        print_json(report_json(report))
+    else:
+        Console().print(report_table(report, str(path)))
+    if not report.within_budget:
+        raise OverBudgetError(
+            f"measured peak {format_bytes(report.measured_peak_bytes)} is above the budget {format_bytes(report.budget_bytes)}"
+        )
+    if report.check is not None and not report.check.ok:
+        raise OverBudgetError(f"gradients differ from the unmodified model (max |diff| {report.check.max_grad_diff:.3e})")

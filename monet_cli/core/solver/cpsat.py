@@ -1,0 +1,192 @@
+"""The CP-SAT model: build, solve and extract, each testable alone.
+
+Variables: ``seg[c]`` checkpoints module call c; ``keep[c,i]`` keeps op i's output
+inside segment c (selective checkpointing) so it is not recomputed.
+Constraints: chosen segments do not nest; a keep needs its segment; at every point of
+the step the linear memory model stays within the budget (points inside a segment's
+recompute burst only count when that segment is chosen).
+Objective: minimise recompute time in microseconds (the predicted overhead), or, in
+``min_peak`` mode, the peak itself.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+from ortools.sat.python import cp_model
+
+from monet_cli.core.segments import SegmentModel
+from monet_cli.core.simulate import Plan
+from monet_cli.core.solver.linear import LinearMemory
+
+US_PER_MS = 1000
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class MemoryRow:
+    """One memory constraint: sum(coef * var) <= budget - base, maybe enforced by a segment."""
+
+    point: int
+    base: int
+    seg_coefs: dict[int, int]
+    keep_coefs: dict[tuple[int, int], int]
+    burst_of: int | None
+    slack: int = 0
+    """Bytes the simulator found this point under-predicted by (a cut from the solve loop)."""
+
+
+@dataclass
+class Variables:
+    seg: dict[int, cp_model.IntVar] = field(default_factory=dict)
+    keep: dict[tuple[int, int], cp_model.IntVar] = field(default_factory=dict)
+    peak: cp_model.IntVar | None = None
+
+
+def recompute_costs(model: SegmentModel) -> tuple[dict[int, int], dict[tuple[int, int], int]]:
+    """Objective coefficients in microseconds: a segment's full recompute, minus each kept op."""
+    seg_cost, keep_saving = {}, {}
+    ops = model.profile.ops
+    for c, seg in model.segments.items():
+        seg_cost[c] = round(model.recompute_ms(c) * US_PER_MS)
+        for i in seg.candidates:
+            saved = ops[i].time_ms if seg.burst_pos is not None and i < seg.stop else 0.0
+            keep_saving[(c, i)] = round(saved * US_PER_MS)
+    return seg_cost, keep_saving
+
+
+def memory_rows(linear: LinearMemory) -> list[MemoryRow]:
+    """One row per distinct coefficient pattern, keeping the point with the largest base.
+
+    Between two events of any delta row the coefficients do not change, so only the
+    highest baseline point of each run can bind: dropping the rest loses nothing.
+    """
+    seg_ids = list(linear.seg_delta)
+    keep_ids = list(linear.keep_delta)
+    seg_matrix = np.stack([linear.seg_delta[c] for c in seg_ids], axis=1) if seg_ids else None
+    keep_matrix = np.stack([linear.keep_delta[k] for k in keep_ids], axis=1) if keep_ids else None
+    best: dict[tuple, int] = {}
+    for j, point in enumerate(linear.points):
+        pattern = (
+            point.burst_of,
+            seg_matrix[j].tobytes() if seg_matrix is not None else b"",
+            keep_matrix[j].tobytes() if keep_matrix is not None else b"",
+        )
+        if pattern not in best or linear.base[j] > linear.base[best[pattern]]:
+            best[pattern] = j
+    rows = []
+    for j in sorted(best.values()):
+        seg_coefs = {c: int(seg_matrix[j, n]) for n, c in enumerate(seg_ids) if seg_matrix[j, n] != 0} if seg_matrix is not None else {}
+        keep_coefs = {k: int(keep_matrix[j, n]) for n, k in enumerate(keep_ids) if keep_matrix[j, n] != 0} if keep_matrix is not None else {}
+        rows.append(MemoryRow(point=j, base=int(linear.base[j]), seg_coefs=seg_coefs, keep_coefs=keep_coefs,
+                              burst_of=linear.points[j].burst_of))
+    return rows
+
+
+def build_model(
+    model: SegmentModel, rows: list[MemoryRow], *, budget_bytes: int | None, min_peak: bool = False
+) -> tuple[cp_model.CpModel, Variables]:
+    """The CP model; ``budget_bytes=None`` with ``min_peak`` minimises the peak instead."""
+    cp = cp_model.CpModel()
+    v = Variables()
+    for c, seg in model.segments.items():
+        v.seg[c] = cp.new_bool_var(f"seg[{c}:{seg.fqn}]")
+        for i in seg.candidates:
+            v.keep[(c, i)] = cp.new_bool_var(f"keep[{c},{i}]")
+            cp.add_implication(v.keep[(c, i)], v.seg[c])
+    _add_no_nesting(cp, model, v)
+    top = max((r.base + sum(max(0, x) for x in r.seg_coefs.values()) + sum(max(0, x) for x in r.keep_coefs.values())
+               for r in rows), default=0)
+    if min_peak:
+        v.peak = cp.new_int_var(0, max(top, 1), "peak")
+    for row in rows:
+        _add_memory_row(cp, v, row, budget_bytes)
+    seg_cost, keep_saving = recompute_costs(model)
+    time_us = sum(seg_cost[c] * v.seg[c] for c in v.seg) - sum(keep_saving[k] * v.keep[k] for k in v.keep)
+    if min_peak:
+        # Lowest peak first, then the least recompute among the lowest peaks.
+        cp.minimize(v.peak * (1 + sum(seg_cost.values())) + time_us)
+    else:
+        cp.minimize(time_us)
+    return cp, v
+
+
+def _add_no_nesting(cp: cp_model.CpModel, model: SegmentModel, v: Variables) -> None:
+    for c in model.segments:
+        for ancestor in model.ancestors[c][1:]:
+            if ancestor in v.seg:
+                cp.add_at_most_one([v.seg[c], v.seg[ancestor]])
+
+
+def _add_memory_row(cp: cp_model.CpModel, v: Variables, row: MemoryRow, budget_bytes: int | None) -> None:
+    expr = row.base + row.slack + sum(coef * v.seg[c] for c, coef in row.seg_coefs.items()) + sum(
+        coef * v.keep[k] for k, coef in row.keep_coefs.items()
+    )
+    limit = v.peak if v.peak is not None else budget_bytes
+    constraint = cp.add(expr <= limit)
+    if row.burst_of is not None:
+        constraint.only_enforce_if(v.seg[row.burst_of])
+
+
+def add_hint(cp: cp_model.CpModel, v: Variables, plan: Plan) -> None:
+    for c, var in v.seg.items():
+        cp.add_hint(var, c in plan)
+    for (c, i), var in v.keep.items():
+        cp.add_hint(var, c in plan and i in plan[c])
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CpResult:
+    status: str
+    plan: Plan | None
+    objective: float | None
+    bound: float | None
+    wall_s: float
+
+
+class _Incumbents(cp_model.CpSolverSolutionCallback):
+    def __init__(self, report: Callable[[float, float, float], None] | None) -> None:
+        super().__init__()
+        self.report = report
+        self.start = time.perf_counter()
+
+    def on_solution_callback(self) -> None:
+        if self.report is not None:
+            self.report(self.objective_value, self.best_objective_bound, time.perf_counter() - self.start)
+
+
+def solve_model(
+    cp: cp_model.CpModel,
+    v: Variables,
+    *,
+    time_limit_s: float,
+    workers: int,
+    seed: int,
+    on_incumbent: Callable[[float, float, float], None] | None = None,
+) -> CpResult:
+    solver = cp_model.CpSolver()
+    solver.parameters.max_time_in_seconds = max(0.1, time_limit_s)
+    solver.parameters.num_workers = workers
+    solver.parameters.random_seed = seed
+    status = solver.solve(cp, _Incumbents(on_incumbent))
+    name = solver.status_name(status)
+    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        return CpResult(status=name, plan=None, objective=None, bound=None, wall_s=solver.wall_time)
+    return CpResult(
+        status=name,
+        plan=extract(solver, v),
+        objective=solver.objective_value,
+        bound=solver.best_objective_bound,
+        wall_s=solver.wall_time,
+    )
+
+
+def extract(solver: cp_model.CpSolver, v: Variables) -> Plan:
+    """Read the chosen segments and kept ops back into a plan."""
+    plan: Plan = {}
+    for c, var in v.seg.items():
+        if solver.boolean_value(var):
+            plan[c] = frozenset(i for (cc, i), kv in v.keep.items() if cc == c and solver.boolean_value(kv))
+    return plan

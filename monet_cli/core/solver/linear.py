@@ -1,0 +1,112 @@
+"""A linear memory model for the solver, measured off the simulator.
+
+The simulator is exact but not linear in the decisions. For CP-SAT we write the live
+bytes at each point of the step as
+
+    live(q) = base(q) + sum_c x_c * seg_delta[c, q] + sum_(c,i) k_ci * keep_delta[(c, i), q]
+
+where x_c chooses segment c (nothing kept) and k_ci keeps op i inside c. Each delta row
+is the simulator's own difference between a one-segment plan and the empty plan (or a
+one-keep plan and the bare segment), so the model is exact for single segments; for
+several segments interactions are not captured, which is why every solution is checked
+by the simulator again and the loop adds what it missed.
+
+Points q are the event keys of the simulator: after op t's allocations in the main
+timeline, and after each allocation inside each segment's recompute burst.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+import numpy as np
+
+from monet_cli.core.segments import SegmentModel
+from monet_cli.core.simulate import Key, Plan, burst_key, memory_events
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Point:
+    key: Key
+    burst_of: int | None
+    """The segment whose recompute burst this point is in (None: the main timeline)."""
+
+
+class LinearMemory:
+    """base, per-segment and per-keep delta rows over every point of the step."""
+
+    def __init__(self, model: SegmentModel) -> None:
+        self.model = model
+        self.points = self._points()
+        self._codes = np.array([self.encode(p.key) for p in self.points], dtype=np.int64)
+        order = np.argsort(self._codes, kind="stable")
+        self.points = [self.points[i] for i in order]
+        self._codes = self._codes[order]
+        self.index_of = {p.key: j for j, p in enumerate(self.points)}
+
+    # -- keys -------------------------------------------------------------------------
+    def _points(self) -> list[Point]:
+        points = [Point(key=(t, 2), burst_of=None) for t in range(-1, self.model.end)]
+        for call, seg in self.model.segments.items():
+            if seg.burst_pos is None:
+                continue
+            for op in range(seg.first_op, seg.stop):
+                points.append(Point(key=burst_key(self.model, call, op, 1), burst_of=call))
+        return points
+
+    @cached_property
+    def _scale(self) -> tuple[int, int]:
+        f = len(self.model.profile.ops) + 2
+        return f, 4 + 2 * f * f
+
+    def encode(self, key: Key) -> int:
+        """Order-preserving integer for an event key (so numpy can sort and search)."""
+        f, span = self._scale
+        base = (key[0] + 1) * span
+        if key[1] == 0:
+            return base
+        if key[1] == 2:
+            return base + span - 1
+        _, _, neg_first, op, sub = key
+        return base + 1 + ((f + neg_first) * f + op) * 2 + sub
+
+    # -- rows ---------------------------------------------------------------------------
+    def live(self, plan: Plan) -> np.ndarray:
+        """Live bytes at every point under ``plan`` (exact simulator numbers)."""
+        events = memory_events(self.model, plan)
+        codes = np.fromiter((self.encode(k) for k, _ in events), dtype=np.int64, count=len(events))
+        deltas = np.fromiter((d for _, d in events), dtype=np.int64, count=len(events))
+        order = np.argsort(codes, kind="stable")
+        codes, running = codes[order], np.cumsum(deltas[order])
+        where = np.searchsorted(codes, self._codes, side="right") - 1
+        return np.where(where >= 0, running[np.maximum(where, 0)], 0)
+
+    @cached_property
+    def base(self) -> np.ndarray:
+        return self.live({})
+
+    @cached_property
+    def seg_delta(self) -> dict[int, np.ndarray]:
+        return {c: self.live({c: frozenset()}) - self.base for c in self.model.segments}
+
+    @cached_property
+    def keep_delta(self) -> dict[tuple[int, int], np.ndarray]:
+        rows = {}
+        for c, seg in self.model.segments.items():
+            bare = self.base + self.seg_delta[c]
+            for i in seg.candidates:
+                rows[(c, i)] = self.live({c: frozenset({i})}) - bare
+        return rows
+
+    def predict(self, plan: Plan) -> np.ndarray:
+        """The linear model's live bytes under ``plan`` (bursts of unchosen segments masked)."""
+        total = self.base.copy()
+        for c, kept in plan.items():
+            total += self.seg_delta[c]
+            for i in kept:
+                total += self.keep_delta[(c, i)]
+        return np.where(self.active_mask(plan), total, 0)
+
+    def active_mask(self, plan: Plan) -> np.ndarray:
+        return np.array([p.burst_of is None or p.burst_of in plan for p in self.points])

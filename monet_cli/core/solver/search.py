@@ -1,0 +1,145 @@
+"""The solve loop: heuristic warm start, CP-SAT, and the simulator as the final judge.
+
+CP-SAT optimises the linear memory model. Its answer is simulated; when the simulator
+finds a point over budget that the linear model missed (segments interacting), that
+point's row gets the missing bytes as a cut and CP-SAT runs again, warm-started. A plan
+is only ever returned when the simulator says it fits.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from monet_cli.core.segments import SegmentModel
+from monet_cli.core.simulate import Plan, SimResult, simulate
+from monet_cli.core.solver.cpsat import MemoryRow, add_hint, build_model, memory_rows, solve_model
+from monet_cli.core.solver.heuristics import best_heuristic
+from monet_cli.core.solver.linear import LinearMemory
+
+MAX_ROUNDS = 8
+Report = Callable[[str], None]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SolveOutcome:
+    plan: Plan | None
+    """None when nothing fits the budget."""
+    result: SimResult | None
+    status: str
+    """OPTIMAL, FEASIBLE, INFEASIBLE or UNKNOWN (no schedule found in time)."""
+    method: str
+    objective_ms: float | None
+    bound_ms: float | None
+    gap: float | None
+    time_s: float
+    rounds: int
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class MinimumPeak:
+    peak_bytes: int
+    plan: Plan
+    breakdown: dict[str, int]
+
+
+def _quiet(message: str) -> None:
+    pass
+
+
+class Planner:
+    """Everything derived from one profile, reused across budgets (sweeps)."""
+
+    def __init__(self, model: SegmentModel) -> None:
+        self.model = model
+        self.profile = model.profile
+        self.linear = LinearMemory(model)
+        self.rows = memory_rows(self.linear)
+
+    def solve(
+        self, budget_bytes: int, *, time_limit_s: float, workers: int, seed: int,
+        report: Report = _quiet, hint: Plan | None = None,
+    ) -> SolveOutcome:
+        start = time.perf_counter()
+        if self.profile.baseline.peak_bytes <= budget_bytes:
+            result = simulate(self.profile, {}, model=self.model)
+            if result.peak_bytes <= budget_bytes:
+                return self._outcome({}, result, "OPTIMAL", "no-checkpointing", 0.0, 0.0, start, 0)
+        name, heuristic, fits = best_heuristic(self.model, budget_bytes)
+        report(f"warm start: {name} ({'fits' if fits else 'over budget'})")
+        best = (heuristic, simulate(self.profile, heuristic, model=self.model)) if fits else None
+        rows = list(self.rows)
+        status, objective, bound, rounds = "UNKNOWN", None, None, 0
+        for rounds in range(1, MAX_ROUNDS + 1):
+            remaining = time_limit_s - (time.perf_counter() - start)
+            if remaining <= 0.05:
+                break
+            cp, variables = build_model(self.model, rows, budget_bytes=budget_bytes)
+            add_hint(cp, variables, hint if hint is not None else heuristic)
+            cp_result = solve_model(
+                cp, variables, time_limit_s=remaining, workers=workers, seed=seed,
+                on_incumbent=lambda obj, bnd, t: report(f"incumbent {obj / 1000:.2f} ms recompute, bound {bnd / 1000:.2f} ms, {t:.1f}s"),
+            )
+            status = cp_result.status
+            if cp_result.plan is None:
+                break
+            result = simulate(self.profile, cp_result.plan, model=self.model)
+            if result.peak_bytes <= budget_bytes:
+                objective, bound = cp_result.objective, cp_result.bound
+                best = (cp_result.plan, result)
+                break
+            report(f"round {rounds}: simulated peak {result.peak_bytes} over budget; adding cuts")
+            rows = self._add_cuts(rows, cp_result.plan, budget_bytes)
+            status = "UNKNOWN"
+        if best is None:
+            return self._outcome(None, None, "INFEASIBLE" if status == "INFEASIBLE" else "UNKNOWN",
+                                 "cp-sat", None, None, start, rounds)
+        plan, result = best
+        if objective is None:  # CP-SAT did not confirm: keep the heuristic, honestly labelled
+            return self._outcome(plan, result, "FEASIBLE", f"heuristic ({name})", result.recompute_ms, None, start, rounds)
+        return self._outcome(plan, result, status, "cp-sat", objective / 1000, bound / 1000, start, rounds)
+
+    def _add_cuts(self, rows: list[MemoryRow], plan: Plan, budget_bytes: int) -> list[MemoryRow]:
+        """Give every row the simulator under-predicts for ``plan`` the missing bytes."""
+        exact = self.linear.live(plan)
+        predicted = self.linear.predict(plan)
+        missing = np.where(self.linear.active_mask(plan), exact - predicted, 0)
+        updated = []
+        for row in rows:
+            gap = int(missing[row.point])
+            if gap > 0 and exact[row.point] > budget_bytes:
+                row = replace(row, slack=max(row.slack, gap))
+            updated.append(row)
+        return updated
+
+    def _outcome(self, plan, result, status, method, objective, bound, start, rounds) -> SolveOutcome:
+        gap = None
+        if objective is not None and bound is not None:
+            gap = 0.0 if objective <= 0 else max(0.0, (objective - bound) / objective)
+        return SolveOutcome(
+            plan=plan, result=result, status=status, method=method, objective_ms=objective, bound_ms=bound,
+            gap=gap, time_s=round(time.perf_counter() - start, 3), rounds=rounds,
+        )
+
+    def minimum_peak(self, *, time_limit_s: float, workers: int, seed: int) -> MinimumPeak:
+        """The lowest simulated peak found: CP-SAT minimising the peak, checked by simulation."""
+        candidates: list[Plan] = [{}]
+        cp, variables = build_model(self.model, self.rows, budget_bytes=None, min_peak=True)
+        cp_result = solve_model(cp, variables, time_limit_s=time_limit_s, workers=workers, seed=seed)
+        if cp_result.plan is not None:
+            candidates.append(cp_result.plan)
+        _, heuristic, _ = best_heuristic(self.model, 0)
+        candidates.append(heuristic)
+        scored = [(simulate(self.profile, p, model=self.model).peak_bytes, i) for i, p in enumerate(candidates)]
+        peak, index = min(scored)
+        plan = candidates[index]
+        return MinimumPeak(peak_bytes=peak, plan=plan, breakdown=self.breakdown(plan))
+
+    def breakdown(self, plan: Plan) -> dict[str, int]:
+        """Bytes by kind (parameters, gradients, optimizer state, activations, ...) at the peak."""
+        from monet_cli.core.simulate import peak_breakdown
+
+        return peak_breakdown(self.model, plan)

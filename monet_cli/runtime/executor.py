@@ -92,10 +92,20 @@ def _wrap_forward(module: nn.Module, keep: frozenset[tuple[str, int]], marker: _
     original = module.forward
     context_fn = _keep_policy(keep)
 
+    # Recompute calls ``original`` directly, not through ``module(...)``, so a BatchNorm
+    # that is itself the segment gets its guard here rather than from module hooks.
+    guard_self = isinstance(module, nn.modules.batchnorm._BatchNorm)
+
     def run_original(*args: Any, **kwargs: Any) -> Any:
         marker.depth -= 1
         try:
-            return original(*args, **kwargs)
+            if guard_self:
+                _bn_pre_hook(module, args)
+            try:
+                return original(*args, **kwargs)
+            finally:
+                if guard_self:
+                    _bn_post_hook(module, args, None)
         finally:
             marker.depth += 1
 
@@ -117,9 +127,13 @@ def _wrap_forward(module: nn.Module, keep: frozenset[tuple[str, int]], marker: _
 
 def _guard_batchnorms(segment: nn.Module) -> None:
     for module in segment.modules():
+        if module is segment:
+            continue  # guarded inside its own checkpointed forward
         if isinstance(module, nn.modules.batchnorm._BatchNorm) and not getattr(module, "_monet_guarded", False):
             module.register_forward_pre_hook(_bn_pre_hook)
-            module.register_forward_hook(_bn_post_hook)
+            # always_call: checkpoint stops a recompute by raising from inside the
+            # BatchNorm (after its last saved tensor); the restore must still run.
+            module.register_forward_hook(_bn_post_hook, always_call=True)
             module._monet_guarded = True
 
 

@@ -1,0 +1,112 @@
+"""Schedules applied to real runs: the simulator's peak matches the meter, gradients match."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import small_spec
+from monet_cli.core.plan import build_schedule
+from monet_cli.core.schedule import SolverInfo
+from monet_cli.core.segments import SegmentModel
+from monet_cli.core.simulate import simulate
+from monet_cli.core.solver.heuristics import level_plans
+from monet_cli.core.solver.search import Planner
+from monet_cli.errors import FingerprintError
+from monet_cli.profiler.run import profile_model
+from monet_cli.runtime.compare import run_apply
+from monet_cli.workload.resolve import Overrides, resolve_model_spec
+
+CPU = torch.device("cpu")
+INFO = SolverInfo(method="test", status="n/a", objective=None, bound=None, gap=None, time_s=0.0, workers=1,
+                  seed=0, time_limit_s=0.0, ortools="")
+
+WORKLOADS = {
+    "resnet18": lambda: small_spec("resnet18", shape=(3, 64, 64), batch_size=8),
+    "tiny_gpt_dropout": lambda: resolve_model_spec(
+        "monet_cli.examples.models:tiny_gpt",
+        Overrides(batch_size=4, loss="token_cross_entropy", optimizer="adamw",
+                  inputs=(__import__("monet_cli.core.profile", fromlist=["InputSpec"]).InputSpec(shape=(32,), dtype="int64", low=0, high=128),),
+                  model_kwargs={"vocab_size": 128, "seq_len": 32, "n_layers": 2, "dropout": 0.1}),
+    ),
+    "skip_concat": lambda: small_spec("monet_cli.examples.models:skip_concat_net", shape=(3, 32, 32), batch_size=8),
+}
+
+
+@pytest.fixture(scope="module", params=list(WORKLOADS))
+def workload_profile(request):
+    spec = WORKLOADS[request.param]()
+    return request.param, profile_model(spec, CPU, steps=1)
+
+
+def _plans(profile) -> dict[str, dict]:
+    model = SegmentModel(profile)
+    levels = level_plans(model)
+    # every segment at its level, all recompute; the level with the most segments
+    finest = max(levels.values(), key=len)
+    plans = {"none": {}, "all-recompute": finest}
+    planner = Planner(model)
+    floor = planner.minimum_peak(time_limit_s=5, workers=1, seed=0).peak_bytes
+    base = profile.baseline.peak_bytes
+    for frac in (0.9, 0.5):
+        budget = floor + int((base - floor) * frac)
+        outcome = planner.solve(budget, time_limit_s=10, workers=1, seed=0)
+        assert outcome.plan is not None and outcome.result.peak_bytes <= budget
+        plans[f"solver-{frac}"] = outcome.plan
+    return plans
+
+
+def test_simulator_matches_measured_peak_and_grads(workload_profile):
+    name, profile = workload_profile
+    model = SegmentModel(profile)
+    for label, plan in _plans(profile).items():
+        schedule = build_schedule(profile, plan, budget_bytes=profile.baseline.peak_bytes * 2, budget_spec="2x",
+                                  solver=INFO, profile_sha256="", model=model)
+        report = run_apply(schedule, CPU, steps=1, check=True)
+        predicted = simulate(profile, plan, model=model).peak_bytes
+        error = abs(predicted - report.measured_peak_bytes) / report.measured_peak_bytes
+        assert error <= 0.02, f"{name}/{label}: predicted {predicted}, measured {report.measured_peak_bytes}"
+        assert report.check is not None
+        assert report.check.grads_match, f"{name}/{label}: max grad diff {report.check.max_grad_diff}"
+        assert report.check.params_match and report.check.buffers_match, f"{name}/{label}"
+        if plan:
+            assert report.measured_peak_bytes != report.baseline_peak_bytes or label != "all-recompute"
+
+
+def test_fingerprint_mismatch_raises_on_first_forward(workload_profile):
+    name, profile = workload_profile
+    if name != "resnet18":
+        pytest.skip("one model is enough")
+    import monet_cli
+    from monet_cli.workload.step import build_workload
+
+    model = SegmentModel(profile)
+    plan = next(iter(level_plans(model).values()))
+    schedule = build_schedule(profile, plan, budget_bytes=1, budget_spec="1", solver=INFO, profile_sha256="",
+                              model=model)
+    other = build_workload(small_spec("resnet18", shape=(3, 64, 64), batch_size=3), CPU)
+    monet_cli.apply(other.model, schedule)
+    with pytest.raises(FingerprintError, match="input shapes differ"):
+        other.forward_loss()
+
+
+def test_batchnorm_state_stays_equal_over_steps():
+    """Recompute stops inside BatchNorm; its running stats, counter and momentum must survive."""
+    from monet_cli.runtime.compare import _first_step, compare
+    from monet_cli.runtime.executor import apply_schedule
+    from monet_cli.workload.step import build_workload
+
+    spec = small_spec("resnet18", shape=(3, 32, 32), batch_size=4)
+    profile = profile_model(spec, CPU, steps=1)
+    model = SegmentModel(profile)
+    plan = max(level_plans(model).values(), key=len)  # includes lone BatchNorms and downsample blocks
+    schedule = build_schedule(profile, plan, budget_bytes=1, budget_spec="1", solver=INFO, profile_sha256="",
+                              model=model)
+    baseline = build_workload(spec, CPU, prepare=False)
+    scheduled = build_workload(spec, CPU)
+    apply_schedule(scheduled.model, schedule)
+    for _ in range(2):
+        result = compare(_first_step(baseline), _first_step(scheduled))
+        assert result.ok, result
+    momenta = {m.momentum for m in scheduled.model.modules() if isinstance(m, torch.nn.BatchNorm2d)}
+    assert momenta == {0.1}

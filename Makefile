@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test venv clean
+.PHONY: demo demo-user test venv clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -13,9 +13,19 @@ $(STAMP): pyproject.toml
 
 venv: $(STAMP)
 
-# Profile the default example (resnet50 from configs/resnet50.yaml) on this machine.
+# The whole loop on the default example, configs/resnet50.yaml (batch 32, 3x128x128):
+# measure a real step, plan for 60% of its peak, then run the plan and check it.
 demo: $(STAMP)
-	$(BIN)/monet profile resnet50 --batch-size 8 --input-shape 3,128,128
+	$(BIN)/monet profile resnet50
+	$(BIN)/monet solve configs/resnet50.profile.yaml --budget 60%
+	$(BIN)/monet apply schedules/resnet50-60pct.yaml --check
+
+# The same loop on a user model given as package.module:function.
+demo-user: $(STAMP)
+	$(BIN)/monet profile monet_cli.examples.models:skip_concat_net --input-shape 3,64,64 --batch-size 16 \
+		-o configs/skip_concat_net.profile.yaml
+	$(BIN)/monet solve configs/skip_concat_net.profile.yaml --budget 75%
+	$(BIN)/monet apply schedules/skip_concat_net-75pct.yaml --check
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q

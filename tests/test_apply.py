@@ -73,18 +73,16 @@ def test_simulator_matches_measured_peak_and_grads(workload_profile):
             assert report.measured_peak_bytes != report.baseline_peak_bytes or label != "all-recompute"
 
 
-def test_fingerprint_mismatch_raises_on_first_forward(workload_profile):
-    name, profile = workload_profile
-    if name != "resnet18":
-        pytest.skip("one model is enough")
+def test_fingerprint_mismatch_raises_on_first_forward():
     import monet_cli
     from monet_cli.workload.step import build_workload
 
+    profile = profile_model(small_spec("resnet18", shape=(3, 32, 32), batch_size=2), CPU, steps=1)
     model = SegmentModel(profile)
     plan = next(iter(level_plans(model).values()))
     schedule = build_schedule(profile, plan, budget_bytes=1, budget_spec="1", solver=INFO, profile_sha256="",
                               model=model)
-    other = build_workload(small_spec("resnet18", shape=(3, 64, 64), batch_size=3), CPU)
+    other = build_workload(small_spec("resnet18", shape=(3, 32, 32), batch_size=3), CPU)
     monet_cli.apply(other.model, schedule)
     with pytest.raises(FingerprintError, match="input shapes differ"):
         other.forward_loss()

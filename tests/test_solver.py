@@ -1,0 +1,78 @@
+"""The solver against brute force on profiles small enough to enumerate every schedule."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from conftest import small_spec
+from monet_cli.core.segments import SegmentModel
+from monet_cli.core.simulate import Plan, simulate
+from monet_cli.core.solver.search import Planner
+from monet_cli.profiler.run import profile_model
+
+CPU = torch.device("cpu")
+
+
+def all_plans(model: SegmentModel) -> list[Plan]:
+    """Every schedule the runtime can execute: non-nested segments, any kept subset."""
+    segments = sorted(model.segments)
+    families: list[list[int]] = [[]]
+    for call in segments:
+        families += [f + [call] for f in families if all(not model.overlaps(call, o) for o in f)]
+    plans = []
+    for family in families:
+        keep_choices = [
+            [frozenset(c) for r in range(len(model.segments[s].candidates) + 1)
+             for c in itertools.combinations(model.segments[s].candidates, r)]
+            for s in family
+        ]
+        for kept in itertools.product(*keep_choices):
+            plans.append(dict(zip(family, kept)))
+    return plans
+
+
+@pytest.fixture(scope="module")
+def enumerable():
+    profile = profile_model(small_spec("tests.models_for_tests:skip_cnn", shape=(3, 24, 24), batch_size=4), CPU, steps=1)
+    model = SegmentModel(profile)
+    plans = all_plans(model)
+    assert 50 < len(plans) < 20000
+    scored = [(simulate(profile, p, model=model), p) for p in plans]
+    return profile, model, scored
+
+
+def test_brute_force_optimum_is_found_and_proven(enumerable):
+    profile, model, scored = enumerable
+    planner = Planner(model)
+    peaks = sorted({r.peak_bytes for r, _ in scored})
+    lowest, highest = peaks[0], profile.baseline.peak_bytes
+    budgets = sorted({lowest, *(lowest + (highest - lowest) * k // 6 for k in range(1, 6))})
+    for budget in budgets:
+        best = min(round(r.recompute_ms, 3) for r, _ in scored if r.peak_bytes <= budget)
+        outcome = planner.solve(budget, time_limit_s=20, workers=1, seed=0)
+        assert outcome.status == "OPTIMAL", (budget, outcome)
+        assert outcome.result.peak_bytes <= budget
+        # The objective is in whole microseconds per op, hence the small tolerance.
+        assert outcome.result.recompute_ms == pytest.approx(best, abs=0.01), (budget, outcome.plan)
+
+
+def test_budget_below_every_schedule_is_infeasible(enumerable):
+    profile, model, scored = enumerable
+    lowest = min(r.peak_bytes for r, _ in scored)
+    planner = Planner(model)
+    outcome = planner.solve(lowest - 1, time_limit_s=10, workers=1, seed=0)
+    assert outcome.plan is None and outcome.status == "INFEASIBLE"
+    minimum = planner.minimum_peak(time_limit_s=10, workers=1, seed=0)
+    assert minimum.peak_bytes == lowest
+    assert sum(minimum.breakdown.values()) == lowest
+
+
+def test_same_inputs_same_schedule(enumerable):
+    profile, model, scored = enumerable
+    budget = (min(r.peak_bytes for r, _ in scored) + profile.baseline.peak_bytes) // 2
+    first = Planner(model).solve(budget, time_limit_s=10, workers=1, seed=0)
+    second = Planner(SegmentModel(profile)).solve(budget, time_limit_s=10, workers=1, seed=0)
+    assert first.plan == second.plan

@@ -21,6 +21,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from monet_cli.core.profile import LOSS_MODULE
+from monet_cli.runtime.fingerprint import IGNORED_OPS, signature
 from monet_cli.runtime.meter import LiveStorageMeter, preexisting_tensors, storage_key
 from monet_cli.workload.step import Workload, loss_scope
 
@@ -92,14 +93,6 @@ def _written_args(func, args: tuple, kwargs: dict) -> list[torch.Tensor]:
     return written
 
 
-# Ops that make no storage and whose presence depends on how autograd saves tensors
-# (saved-tensor hooks change when ``detach`` runs); selective checkpointing ignores
-# them too. They run but are not numbered.
-IGNORED_OPS = frozenset({"aten.detach.default", "prim.device.default"})
-
-
-def _signature(tensors: list[torch.Tensor]) -> str:
-    return ";".join(f"{tuple(t.shape)}:{str(t.dtype).removeprefix('torch.')}" for t in tensors)
 
 
 class StepRecorder(LiveStorageMeter):
@@ -161,7 +154,7 @@ class StepRecorder(LiveStorageMeter):
                 inputs=sorted({self.sid_of(t) for t in inputs if t.device.type != "meta"}),
                 written=sorted({self.sid_of(t) for t in written if t.device.type != "meta"}),
                 outputs=outputs,
-                signature=_signature(inputs),
+                signature=signature(inputs),
             )
         )
         self.pos = pos + 1

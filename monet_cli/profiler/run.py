@@ -5,7 +5,6 @@ from __future__ import annotations
 import datetime as _dt
 import os
 import platform
-import time
 from collections.abc import Callable
 
 import torch
@@ -52,7 +51,7 @@ def profile_model(
     """Warm up, measure the peak, record one step, replay lifetimes, then time ``steps`` steps."""
     workload = run_checked(lambda: build_workload(spec, device), "building the workload")
     progress("warm-up step")
-    run_checked(lambda: _plain_step(workload), "warm-up step")
+    run_checked(lambda: workload.timed_step(), "warm-up step")
     progress("measuring peak memory")
     measurement = _measure_peak(workload)
     progress("recording ops and memory")
@@ -66,23 +65,8 @@ def profile_model(
         progress(f"timing ops (step {i + 1}/{steps})")
         timings.op_ms.append(run_checked(lambda: _timed_ops(workload, recorder), "timed step"))
         progress(f"timing steps (step {i + 1}/{steps})")
-        timings.step_ms.append(run_checked(lambda: _plain_step(workload), "timed step"))
+        timings.step_ms.append(run_checked(lambda: workload.timed_step(), "timed step"))
     return build_profile(workload, recorder, lifetimes, timings, measurement.peak_bytes, measurement.meter)
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _plain_step(workload: Workload) -> float:
-    """One unrecorded step, returning its wall time in ms."""
-    _sync(workload.device)
-    start = time.perf_counter()
-    workload.zero_grad()
-    workload.step()
-    _sync(workload.device)
-    return (time.perf_counter() - start) * 1000.0
 
 
 def _measure_peak(workload: Workload):

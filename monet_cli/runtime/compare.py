@@ -8,7 +8,6 @@ interleaved between the two models.
 from __future__ import annotations
 
 import statistics
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -53,21 +52,6 @@ class ApplyReport:
     @property
     def prediction_error(self) -> float:
         return (self.predicted_peak_bytes - self.measured_peak_bytes) / max(1, self.measured_peak_bytes)
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _timed_step(workload: Workload, seed: int) -> float:
-    torch.manual_seed(seed)
-    _sync(workload.device)
-    start = time.perf_counter()
-    workload.zero_grad()
-    workload.step()
-    _sync(workload.device)
-    return (time.perf_counter() - start) * 1000.0
 
 
 def _measured_peak(workload: Workload, seed: int):
@@ -135,8 +119,8 @@ def run_apply(
     base_ms, sched_ms = [], []
     for i in range(steps):
         progress(f"timing steps ({i + 1}/{steps})")
-        base_ms.append(run_checked(lambda: _timed_step(baseline, CHECK_SEED + 2 + i), "baseline step"))
-        sched_ms.append(run_checked(lambda: _timed_step(scheduled, CHECK_SEED + 2 + i), "scheduled step"))
+        base_ms.append(run_checked(lambda: baseline.timed_step(CHECK_SEED + 2 + i), "baseline step"))
+        sched_ms.append(run_checked(lambda: scheduled.timed_step(CHECK_SEED + 2 + i), "scheduled step"))
     return ApplyReport(
         budget_bytes=schedule.budget_bytes,
         predicted_peak_bytes=schedule.predicted.peak_bytes,

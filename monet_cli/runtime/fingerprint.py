@@ -13,7 +13,9 @@ from monet_cli.core.fingerprint import shapes_hash, structure_hash
 from monet_cli.core.profile import Fingerprint
 from monet_cli.errors import FingerprintError
 
-# Same exclusions as the profiler's recorder (autograd-saving details, not model ops).
+# Ops that make no storage and whose presence depends on how autograd saves tensors
+# (saved-tensor hooks change when ``detach`` runs); selective checkpointing ignores them
+# too. The profiler's recorder and this check both skip them, so fingerprints agree.
 IGNORED_OPS = frozenset({"aten.detach.default", "prim.device.default"})
 
 

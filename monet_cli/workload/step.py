@@ -7,6 +7,7 @@ Inputs and labels are random but seeded, so every rebuild feeds the same data.
 from __future__ import annotations
 
 import importlib
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -196,6 +197,21 @@ class Workload:
         if self.optimizer is not None:
             self.optimizer.step()
         return float(loss.detach())
+
+    def timed_step(self, seed: int | None = None) -> float:
+        """One plain step including ``zero_grad``; returns its wall time in ms."""
+        if seed is not None:
+            torch.manual_seed(seed)
+        self.sync()
+        start = time.perf_counter()
+        self.zero_grad()
+        self.step()
+        self.sync()
+        return (time.perf_counter() - start) * 1000.0
+
+    def sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def data_tensors(self) -> list[torch.Tensor]:
         return [*self.inputs, *self.loss_fn.tensors()]

@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo demo-user test venv clean
+.PHONY: demo demo-user test bench bench-smoke venv clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -26,6 +26,16 @@ demo-user: $(STAMP)
 		-o configs/skip_concat_net.profile.yaml
 	$(BIN)/monet solve configs/skip_concat_net.profile.yaml --budget 75%
 	$(BIN)/monet apply schedules/skip_concat_net-75pct.yaml --check
+
+# The full benchmark (tens of minutes on 2 CPU cores): results in bench/results, docs/benchmarks.md.
+bench: $(STAMP)
+	$(BIN)/python -m pip install --quiet -e '.[test,bench]'
+	$(BIN)/python bench/solver_quality.py
+	$(BIN)/python bench/run.py
+	$(BIN)/python bench/report.py
+
+bench-smoke: $(STAMP)
+	$(BIN)/python bench/run.py --smoke --out /tmp/monet-bench-smoke
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q

@@ -1,0 +1,178 @@
+"""Turn bench/results/*.json into docs/benchmarks.md and one trade-off plot per workload.
+
+    python bench/report.py
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from monet_cli.core.units import format_bytes  # noqa: E402
+
+MIB = 2**20
+ACTIVATION_TARGET, OVERHEAD_TARGET = 3.0, 0.15
+
+
+def mib(n: int | None) -> str:
+    return "-" if n is None else f"{n / MIB:,.1f}"
+
+
+def pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:+.1f}%"
+
+
+def _num(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}"
+
+
+def _gap(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.2f}%"
+
+
+def points_table(result: dict[str, Any]) -> str:
+    lines = [
+        "| method | peak MiB | x less total | activations MiB | x less activations | step ms | overhead | predicted MiB | prediction error | solve s | status | gap |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for p in result["points"]:
+        if "error" in p:
+            lines.append(f"| {p['method']} | failed: {p['error']} |" + " |" * 10)
+            continue
+        lines.append(
+            f"| {p['method']} | {mib(p['peak_bytes'])} | {p['total_ratio']:.2f} | {mib(p['activation_bytes'])} | "
+            f"{p['activation_ratio']:.2f} | {p['step_ms']:.1f} | {pct(p['overhead'])} | "
+            f"{mib(p.get('predicted_peak_bytes'))} | {pct(p.get('prediction_error'))} | "
+            f"{_num(p.get('solve_time_s'))} | {p.get('status', '-')} | {_gap(p.get('gap'))} |"
+        )
+    return "\n".join(lines)
+
+
+def plot(result: dict[str, Any], path: Path) -> bool:
+    """Draw the trade-off curve; False when matplotlib (the ``bench`` extra) is missing."""
+    try:
+        import matplotlib
+    except ImportError:
+        return False
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    styles = {"baseline": ("black", "s"), "pytorch": ("tab:orange", "^"), "compile": ("tab:green", "D"),
+              "monet": ("tab:blue", "o")}
+    for kind, (color, marker) in styles.items():
+        pts = [p for p in result["points"] if p.get("kind") == kind and "peak_bytes" in p]
+        if not pts:
+            continue
+        pts.sort(key=lambda p: p["peak_bytes"])
+        xs = [p["peak_bytes"] / MIB for p in pts]
+        ys = [100 * p["overhead"] for p in pts]
+        ax.plot(xs, ys, marker=marker, color=color, linestyle="-" if kind == "monet" else "none", label=kind)
+        if kind != "monet":
+            for p, x, y in zip(pts, xs, ys):
+                ax.annotate(p["method"], (x, y), fontsize=7, xytext=(4, 3), textcoords="offset points")
+    ax.set_xlabel("measured peak memory (MiB)")
+    ax.set_ylabel("step-time overhead vs no checkpointing (%)")
+    ax.set_title(f"{result['workload']} on {result['device']}: overhead vs peak memory")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def targets(result: dict[str, Any]) -> list[str]:
+    """Each target as met / not met, with the numbers behind it."""
+    pts = [p for p in result["points"] if "peak_bytes" in p]
+    monet = [p for p in pts if p["kind"] == "monet"]
+    torch_pts = [p for p in pts if p["kind"] in ("pytorch", "compile")]
+    lines = []
+    for p in torch_pts:
+        fits = [m for m in monet if m["peak_bytes"] <= p["peak_bytes"]]
+        if fits:
+            fastest = min(fits, key=lambda m: m["step_ms"])
+            met = fastest["step_ms"] <= p["step_ms"]
+            lines.append(f"- vs {p['method']} ({mib(p['peak_bytes'])} MiB, {pct(p['overhead'])}): fastest monet at or "
+                         f"below that peak is {fastest['method']} at {pct(fastest['overhead'])}: "
+                         f"{'**met**' if met else '**not met**'} (time)")
+        else:
+            lines.append(f"- vs {p['method']} ({mib(p['peak_bytes'])} MiB): no monet point reaches that peak: **not met**")
+        cheaper = [m for m in monet if m["overhead"] <= p["overhead"]]
+        if cheaper:
+            lowest = min(cheaper, key=lambda m: m["peak_bytes"])
+            ratio = p["peak_bytes"] / lowest["peak_bytes"]
+            lines.append(f"  - at equal or lower overhead monet reaches {mib(lowest['peak_bytes'])} MiB "
+                         f"({ratio:.2f}x lower; target 1.2x): {'**met**' if ratio >= 1.2 else '**not met**'}")
+    good = [m for m in monet if m["overhead"] <= OVERHEAD_TARGET]
+    best = max(good, key=lambda m: m["activation_ratio"], default=None)
+    if best is not None:
+        met = best["activation_ratio"] >= ACTIVATION_TARGET
+        lines.append(f"- activation memory at <= 15% overhead: best {best['activation_ratio']:.2f}x less "
+                     f"({best['method']}, {pct(best['overhead'])}); target 3x: {'**met**' if met else '**not met**'}")
+    else:
+        lines.append("- activation memory at <= 15% overhead: no monet point within 15% overhead: **not met**")
+    errors = [abs(m["prediction_error"]) for m in monet]
+    if errors:
+        lines.append(f"- predicted peak within 2% of measured at every monet point: worst {100 * max(errors):.2f}%: "
+                     f"{'**met**' if max(errors) <= 0.02 else '**not met**'}")
+        over = [m["method"] for m in monet if not m["within_budget"]]
+        lines.append(f"- measured never above the budget: {'**met**' if not over else '**not met**: ' + ', '.join(over)}")
+        slow = [m for m in monet if m["solve_time_s"] > 60 or (m.get("gap") or 0) > 0.01]
+        lines.append(f"- solve under 60 s to optimum or < 1% gap: longest {max(m['solve_time_s'] for m in monet):.2f} s: "
+                     f"{'**met**' if not slow else '**not met**'}")
+    return lines
+
+
+def render(results: list[dict[str, Any]], quality: dict[str, Any] | None, img_dir: Path) -> str:
+    out = ["# Benchmarks", "",
+           "Generated by `make bench` (`bench/run.py`, then `bench/report.py`). Every number is measured in one",
+           "process on the machine below: peak memory with monet's live-storage meter (the CUDA allocator on a GPU;",
+           "torch.compile points with the profiler's allocator counter, shifted onto the live-storage scale by the",
+           "eager baseline measured both ways), step time as the median of interleaved repeats after a warm-up.",
+           "\"Activations\" = peak minus parameters, gradients and optimizer state.", ""]
+    if results:
+        r0 = results[0]
+        out += ["## Machine and versions", "",
+                f"- device: {r0['device']} ({r0['device_name']}), {r0['machine']['cpus']} torch threads, {r0['machine']['platform']}",
+                "- " + ", ".join(f"{k} {v}" for k, v in r0["env"].items()), ""]
+    for result in results:
+        name = f"{result['workload']}-{result['device']}"
+        drawn = plot(result, img_dir / f"{name}.png")
+        spec = result["spec"]
+        out += [f"## {result['workload']} ({result['device']})", "",
+                f"{spec['model']}, batch {spec['batch_size']}, input {spec['inputs']}, {spec['optimizer']}; "
+                f"{result['profile']['forward_ops']} forward ops, {result['profile']['segments']} candidate segments; "
+                f"parameters + gradients + optimizer state {format_bytes(result['profile']['fixed_bytes'])}; "
+                f"{result['repeats']} repeats.", "",
+                points_table(result), "", f"![{name}](img/{name}.png)" if drawn else "(plot needs matplotlib)", "",
+                "Targets:", "", *targets(result), ""]
+    if quality is not None:
+        from bench.solver_quality import markdown
+
+        out += ["## Solver quality on problems with known answers", "", markdown(quality), ""]
+    return "\n".join(out) + "\n"
+
+
+def main() -> int:
+    results_dir = ROOT / "bench" / "results"
+    results = [json.loads(p.read_text()) for p in sorted(results_dir.glob("*-*.json"))
+               if p.name != "solver-quality.json" and not p.name.startswith("smoke")]
+    quality_path = results_dir / "solver-quality.json"
+    quality = json.loads(quality_path.read_text()) if quality_path.exists() else None
+    docs = ROOT / "docs"
+    text = render(results, quality, docs / "img")
+    (docs / "benchmarks.md").write_text(text)
+    print(f"wrote {docs / 'benchmarks.md'} ({len(results)} workloads)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

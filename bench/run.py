@@ -1,0 +1,228 @@
+"""monet side by side with what users would pick instead, measured in one process.
+
+For each workload: the unmodified step, PyTorch checkpointing of every block and of every
+k-th block, torch.compile's activation_memory_budget (transformers), and monet schedules
+from 90% of the baseline peak down to the smallest feasible budget in 10% steps. Eager
+methods are timed interleaved (each repeat runs every method once, in rotating order);
+compiled ones in a block of their own after a dynamo reset. Results go to
+bench/results/<workload>-<device>.json; ``bench/report.py`` turns them into
+docs/benchmarks.md and plots.
+
+    python bench/run.py                      # every workload, full budgets
+    python bench/run.py --workloads gpt,unet --repeats 5
+    python bench/run.py --smoke --out /tmp/x # CI: one tiny workload, one budget
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench import methods as M  # noqa: E402
+from monet_cli.core.plan import build_schedule  # noqa: E402
+from monet_cli.core.profile import InputSpec, Profile  # noqa: E402
+from monet_cli.core.schedule import SolverInfo  # noqa: E402
+from monet_cli.core.segments import SegmentModel  # noqa: E402
+from monet_cli.core.solver.search import Planner  # noqa: E402
+from monet_cli.profiler.run import env_info, profile_model  # noqa: E402
+from monet_cli.runtime.meter import measure_step, preexisting_tensors  # noqa: E402
+from monet_cli.workload.resolve import Overrides, resolve_model_spec  # noqa: E402
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    model: str
+    overrides: Overrides
+    block_types: tuple[str, ...]
+    transformer: bool
+
+
+WORKLOADS = {
+    "resnet50": Workload("resnet50", "resnet50", Overrides(), ("Bottleneck",), False),
+    "vit_b_16": Workload("vit_b_16", "vit_b_16", Overrides(), ("EncoderBlock",), True),
+    "gpt": Workload("gpt", "gpt", Overrides(), ("GPTBlock",), True),
+    "unet": Workload("unet", "unet", Overrides(), ("Sequential",), False),
+}
+SMOKE = Workload(
+    "smoke", "monet_cli.examples.models:skip_concat_net",
+    Overrides(batch_size=4, inputs=(InputSpec(shape=(3, 32, 32)),)), ("Sequential",), False,
+)
+
+
+def log(message: str) -> None:
+    print(f"[bench {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def monet_points(profile: Profile, fractions: list[int], time_limit: float, workers: int) -> list[tuple[Any, dict]]:
+    """Solve each budget (percent of the baseline peak) until one is infeasible."""
+    planner = Planner(SegmentModel(profile))
+    import ortools
+
+    points = []
+    for pct in fractions:
+        budget = profile.baseline.peak_bytes * pct // 100
+        outcome = planner.solve(budget, time_limit_s=time_limit, workers=workers, seed=0)
+        log(f"monet {pct}%: {outcome.status} in {outcome.time_s:.2f}s")
+        if outcome.plan is None:
+            break
+        info = SolverInfo(method=outcome.method, status=outcome.status, objective=outcome.objective_ms,
+                          bound=outcome.bound_ms, gap=outcome.gap, time_s=outcome.time_s, workers=workers, seed=0,
+                          time_limit_s=time_limit, ortools=ortools.__version__)
+        schedule = build_schedule(profile, outcome.plan, budget_bytes=budget, budget_spec=f"{pct}%", solver=info,
+                                  profile_sha256="", model=planner.model)
+        points.append((schedule, {
+            "budget_bytes": budget, "predicted_peak_bytes": schedule.predicted.peak_bytes,
+            "predicted_overhead": schedule.predicted.overhead, "solve_time_s": outcome.time_s,
+            "status": outcome.status, "gap": outcome.gap, "segments": len(schedule.segments),
+            "kept_ops": sum(len(s.kept_ops()) for s in schedule.segments),
+        }))
+    return points
+
+
+def live_peak(method: M.Method) -> int:
+    w = method.workload
+    w.zero_grad()
+    pre = preexisting_tensors(w.model, w.optimizer, w.data_tensors())
+    return measure_step(w.step, device=w.device, preexisting=pre).peak_bytes
+
+
+def measure_eager(methods: list[M.Method], repeats: int) -> dict[str, dict[str, Any]]:
+    for m in methods:
+        m.workload.timed_step(seed=0)  # warm-up
+    peaks = {m.name: live_peak(m) for m in methods}
+    times: dict[str, list[float]] = {m.name: [] for m in methods}
+    for r in range(repeats):
+        order = methods[r % len(methods):] + methods[: r % len(methods)]
+        for m in order:
+            times[m.name].append(m.workload.timed_step(seed=r))
+    return {m.name: {"peak_bytes": peaks[m.name], "step_ms": statistics.median(times[m.name]),
+                     "step_ms_all": [round(t, 3) for t in times[m.name]]} for m in methods}
+
+
+def measure_compiled(spec, device, budgets: list[float], repeats: int, baseline: M.Method) -> list[dict[str, Any]]:
+    eager_profiler = M.profiler_peak(baseline.workload.step, baseline.workload)
+    eager_live = live_peak(baseline)
+    rows = []
+    for budget in budgets:
+        try:
+            method = M.compiled(spec, device, budget)
+            method.workload.timed_step(seed=0)  # compiles
+            raw = M.profiler_peak(method.workload.step, method.workload)
+            times = [method.workload.timed_step(seed=r) for r in range(repeats)]
+            base_times = [baseline.workload.timed_step(seed=r) for r in range(repeats)]
+        except Exception as err:  # report, do not hide: e.g. BatchNorm models fail to partition
+            rows.append({"method": f"compile budget {budget}", "kind": "compile", "error": f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"})
+            continue
+        rows.append({
+            "method": method.name, "kind": "compile", "meter": "profiler-counter",
+            "profiler_peak_bytes": raw, "eager_profiler_peak_bytes": eager_profiler,
+            "peak_bytes": raw - eager_profiler + eager_live,
+            "step_ms": statistics.median(times), "baseline_step_ms_same_block": statistics.median(base_times),
+            "info": method.info,
+        })
+    torch._dynamo.reset()
+    return rows
+
+
+def run_workload(w: Workload, device: torch.device, *, repeats: int, fractions: list[int], time_limit: float,
+                 workers: int, compile_budgets: list[float], steps: int) -> dict[str, Any]:
+    spec = resolve_model_spec(w.model, w.overrides, configs_dir=ROOT / "configs")
+    log(f"{w.name}: profiling")
+    profile = profile_model(spec, device, steps=steps)
+    fixed = profile.memory.param_bytes + profile.memory.grad_bytes + profile.memory.optimizer_state_bytes
+    log(f"{w.name}: solving")
+    solved = monet_points(profile, fractions, time_limit, workers)
+    log(f"{w.name}: building methods")
+    eager = [M.baseline(spec, device)]
+    for k in (1, 2, 3):
+        try:
+            eager.append(M.checkpoint_every(spec, device, w.block_types, k))
+        except ValueError as err:
+            log(str(err))
+    eager += [M.monet(spec, device, schedule, info) for schedule, info in solved]
+    log(f"{w.name}: measuring {len(eager)} eager methods x {repeats} repeats")
+    measured = measure_eager(eager, repeats)
+    base = measured[eager[0].name]
+    points = []
+    for m in eager:
+        row = {"method": m.name, "kind": m.kind, "meter": m.meter, **measured[m.name], "info": {}}
+        if m.kind == "monet":
+            row.update(m.info)
+        else:
+            row["info"] = m.info
+        points.append(row)
+    if w.transformer and compile_budgets:
+        log(f"{w.name}: torch.compile budgets {compile_budgets}")
+        points += measure_compiled(spec, device, compile_budgets, repeats, eager[0])
+    for row in points:
+        if "peak_bytes" not in row:
+            continue
+        baseline_ms = row.get("baseline_step_ms_same_block", base["step_ms"])
+        row["overhead"] = row["step_ms"] / baseline_ms - 1
+        row["total_ratio"] = base["peak_bytes"] / row["peak_bytes"]
+        row["activation_bytes"] = row["peak_bytes"] - fixed
+        row["activation_ratio"] = (base["peak_bytes"] - fixed) / max(1, row["peak_bytes"] - fixed)
+        if "predicted_peak_bytes" in row:
+            row["prediction_error"] = (row["predicted_peak_bytes"] - row["peak_bytes"]) / row["peak_bytes"]
+            row["within_budget"] = row["peak_bytes"] <= row["budget_bytes"]
+    return {
+        "workload": w.name, "device": device.type, "device_name": profile.device.name,
+        "spec": {"model": spec.target, "batch_size": spec.batch_size,
+                 "inputs": [list(i.shape) for i in spec.inputs], "optimizer": spec.optimizer.name},
+        "machine": {"cpus": torch.get_num_threads(), "platform": platform.platform(), "python": platform.python_version()},
+        "env": {k: str(v) for k, v in vars(env_info()).items()} if hasattr(env_info(), "__dict__") else
+               {f: str(getattr(env_info(), f)) for f in ("monet", "torch", "torchvision", "ortools", "python")},
+        "profile": {"baseline_peak_bytes": profile.baseline.peak_bytes, "step_ms": profile.baseline.step_ms,
+                    "forward_ops": len(profile.ops), "segments": sum(c.checkpointable for c in profile.calls),
+                    "fixed_bytes": fixed},
+        "repeats": repeats,
+        "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "points": points,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workloads", default=",".join(WORKLOADS))
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--time-limit", type=float, default=60.0)
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--smoke", action="store_true", help="one tiny workload, one budget (CI)")
+    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
+    args = parser.parse_args(argv)
+    from monet_cli.workload.step import resolve_device
+
+    device = resolve_device(args.device)
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.smoke:
+        jobs = [(SMOKE, dict(repeats=1, fractions=[90], time_limit=10.0, workers=1, compile_budgets=[], steps=1))]
+    else:
+        jobs = [(WORKLOADS[name], dict(repeats=args.repeats, fractions=list(range(90, 0, -10)),
+                                        time_limit=args.time_limit, workers=args.workers,
+                                        compile_budgets=[0.5, 0.1], steps=3))
+                for name in args.workloads.split(",")]
+    for workload, options in jobs:
+        result = run_workload(workload, device, **options)
+        path = args.out / f"{workload.name}-{device.type}.json"
+        path.write_text(json.dumps(result, indent=2) + "\n")
+        log(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

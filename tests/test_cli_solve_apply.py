@@ -85,15 +85,49 @@ def test_bad_budget_exits_2(workdir: Path, budget: str):
     assert budget in last_error(result)
 
 
-def test_fingerprint_mismatch_exits_5(workdir: Path):
+USER_MODEL = """
+import torch
+from torch import nn
+
+
+def net():
+    layers = [nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU()]
+    layers += EXTRA
+    return nn.Sequential(nn.Sequential(*layers), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 4))
+"""
+
+
+def test_changed_model_exits_5(tmp_path: Path):
+    """The user's model code changed after solving: apply must refuse, not run silently."""
+    import os
+    import subprocess
+    import sys
+
+    source = tmp_path / "usermodel.py"
+    source.write_text(USER_MODEL.replace("EXTRA", "[]"))
+    monet_bin = [sys.executable, "-m", "monet_cli"]
+    env = dict(os.environ, PYTHONPATH=str(Path.cwd()))
+    common = dict(cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    run = subprocess.run([*monet_bin, "profile", "usermodel:net", "-i", "3,32,32", "-b", "8", "--steps", "1",
+                          "-o", "p.yaml"], **common)
+    assert run.returncode == 0, run.stderr
+    run = subprocess.run([*monet_bin, "solve", "p.yaml", "--budget", "100%", "-o", "s.yaml", "--workers", "1"], **common)
+    assert run.returncode == 0, run.stderr
+    source.write_text(USER_MODEL.replace("EXTRA", "[nn.Conv2d(8, 8, 3, padding=1), nn.ReLU()]"))
+    run = subprocess.run([*monet_bin, "apply", "s.yaml", "--steps", "1"], **common)
+    assert run.returncode == 5, run.stderr
+    assert "schedule does not match this model" in run.stderr and "Traceback" not in run.stderr
+
+
+def test_hand_edited_schedule_exits_6(workdir: Path):
     assert solve(workdir, "90%", "edit.yaml").exit_code == 0
     path = workdir / "schedules" / "edit.yaml"
     data = yaml.safe_load(path.read_text())
     data["fingerprint"]["shapes"] = "0000000000000000"
     path.write_text(yaml.safe_dump(data, sort_keys=False))
     result = monet("apply", str(path), "--steps", "1")
-    assert result.exit_code == 5
-    assert "schedule does not match this model" in last_error(result)
+    assert result.exit_code == 6
+    assert "content_sha256" in last_error(result)
 
 
 def test_wrong_kind_of_file_exits_6(workdir: Path):

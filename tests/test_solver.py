@@ -76,3 +76,22 @@ def test_same_inputs_same_schedule(enumerable):
     first = Planner(model).solve(budget, time_limit_s=10, workers=1, seed=0)
     second = Planner(SegmentModel(profile)).solve(budget, time_limit_s=10, workers=1, seed=0)
     assert first.plan == second.plan
+
+
+def test_linear_model_is_exact_for_single_segments(enumerable):
+    """Point codes keep the simulator's event order, so one-segment plans are exact everywhere."""
+    from monet_cli.core.solver.linear import LinearMemory
+
+    profile, model, _ = enumerable
+    linear = LinearMemory(model)
+    keys = [p.key for p in linear.points]
+    assert keys == sorted(keys)
+    assert [linear.encode(k) for k in keys] == sorted(linear.encode(k) for k in keys)
+    for call, seg in model.segments.items():
+        for kept in [frozenset(), *(frozenset({i}) for i in seg.candidates)]:
+            plan = {call: kept}
+            exact = linear.live(plan)
+            predicted = linear.predict(plan)
+            mask = linear.active_mask(plan)
+            assert (exact[mask] == predicted[mask]).all()
+            assert exact.max() == simulate(profile, plan, model=model).peak_bytes

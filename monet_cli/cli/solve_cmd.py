@@ -79,7 +79,8 @@ def solve_profile(
 def _explain_failure(planner: Planner, outcome: SolveOutcome, budget: int, time_limit: float, workers: int, seed: int) -> None:
     if outcome.status == "UNKNOWN":
         raise NoSolutionError(
-            f"no schedule within {format_bytes(budget)} found in {time_limit:g} s; raise --time-limit or the budget"
+            f"no schedule within {format_bytes(budget)} found (time limit {time_limit:g} s, "
+            f"{outcome.rounds} solver round(s)); raise --time-limit or the budget"
         )
     minimum = planner.minimum_peak(time_limit_s=min(10.0, time_limit), workers=workers, seed=seed)
     parts = ", ".join(f"{_KIND_NAMES.get(k, k)} {format_bytes(v)}" for k, v in list(minimum.breakdown.items())[:4])

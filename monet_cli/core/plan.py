@@ -14,6 +14,7 @@ from monet_cli.core.schedule import (
     Schedule,
     SegmentDecision,
     SolverInfo,
+    with_content_hash,
 )
 from monet_cli.core.segments import SegmentModel
 from monet_cli.core.simulate import Plan, SimResult, simulate
@@ -70,7 +71,7 @@ def build_schedule(
 ) -> Schedule:
     model = model or SegmentModel(profile)
     result = simulate(profile, plan, model=model)
-    return Schedule(
+    return with_content_hash(Schedule(
         schema_version=SCHEMA_VERSION,
         kind=SCHEDULE_KIND,
         budget_bytes=budget_bytes,
@@ -84,7 +85,7 @@ def build_schedule(
         executor=EXECUTOR,
         created_at=created_at if created_at is not None else _now(),
         segments=segment_decisions(model, plan),
-    )
+    ))
 
 
 def _now() -> str:

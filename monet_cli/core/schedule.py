@@ -10,13 +10,15 @@ overload inside the segment: the key selective activation checkpointing uses. Th
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass, field
+import json
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from monet_cli.core.codec import flow_row, from_data, to_data
 from monet_cli.core.profile import EnvInfo, Fingerprint, ModelSpec, check_header
 from monet_cli.core.yamlio import atomic_write_text, dump_yaml, load_yaml_file
+from monet_cli.errors import FileFormatError
 
 SCHEDULE_KIND = "monet.schedule"
 SCHEMA_VERSION = 1
@@ -96,11 +98,44 @@ class Schedule:
     env: EnvInfo
     executor: str = EXECUTOR
     created_at: str = ""
+    content_sha256: str = ""
+    """Hash of everything above except ``created_at`` and ``solver.time_s``: equal for equal solves."""
     segments: tuple[SegmentDecision, ...] = field(default_factory=tuple)
 
     def kept(self) -> dict[int, frozenset[int]]:
         """Segment call index -> kept op indices."""
         return {s.call: s.kept_ops() for s in self.segments}
+
+
+def content_hash(schedule: Schedule) -> str:
+    """SHA-256 of the canonical payload: no timestamps, no wall times, no hash itself."""
+    data = to_data(replace(schedule, created_at="", content_sha256="", solver=replace(schedule.solver, time_s=0.0)))
+    canonical = json.dumps(data, sort_keys=True, separators=(",", ":"), default=list)
+    return hashlib.sha256(canonical.encode("utf-8")).hexdigest()
+
+
+def with_content_hash(schedule: Schedule) -> Schedule:
+    return replace(schedule, content_sha256=content_hash(schedule))
+
+
+def consistency_problem(schedule: Schedule) -> str | None:
+    """Why a schedule's parts disagree (e.g. decisions edited by hand), or None."""
+    if schedule.content_sha256 != content_hash(schedule):
+        return "content_sha256: does not match the file's contents (edited by hand? re-run monet solve)"
+    ranges = sorted((s.first_op, s.end_op, s.module) for s in schedule.segments)
+    for (_, end, name), (start, _, other) in zip(ranges, ranges[1:]):
+        if start < end:
+            return f"segments: '{name}' and '{other}' overlap"
+    for s in schedule.segments:
+        if s.first_op >= s.end_op or any(not s.first_op <= d.index < s.end_op for d in s.decisions):
+            return f"segments.{s.module}: decisions outside the segment's ops {s.first_op}..{s.end_op - 1}"
+    pred = schedule.predicted
+    expected_ms = pred.baseline_step_ms + sum(s.recompute_ms for s in schedule.segments)
+    if abs(expected_ms - pred.step_ms) > 1e-3 * (1 + len(schedule.segments)):
+        return f"predicted.step_ms: {pred.step_ms} does not match the segments' recompute time ({expected_ms:.4f})"
+    if pred.peak_bytes > schedule.budget_bytes:
+        return f"predicted.peak_bytes: {pred.peak_bytes} is above budget_bytes {schedule.budget_bytes}"
+    return None
 
 
 def schedule_to_data(schedule: Schedule) -> dict[str, Any]:
@@ -113,7 +148,11 @@ def save_schedule(schedule: Schedule, path: Path) -> None:
 
 def schedule_from_data(data: dict[str, Any], *, source: str) -> Schedule:
     check_header(data, source=source, kind=SCHEDULE_KIND)
-    return from_data(Schedule, data, source=source)
+    schedule = from_data(Schedule, data, source=source)
+    problem = consistency_problem(schedule)
+    if problem is not None:
+        raise FileFormatError(f"{source}: {problem}")
+    return schedule
 
 
 def load_schedule(path: Path) -> Schedule:

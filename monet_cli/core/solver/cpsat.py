@@ -76,13 +76,15 @@ def memory_rows(linear: LinearMemory) -> list[MemoryRow]:
         )
         if pattern not in best or linear.base[j] > linear.base[best[pattern]]:
             best[pattern] = j
-    rows = []
-    for j in sorted(best.values()):
-        seg_coefs = {c: int(seg_matrix[j, n]) for n, c in enumerate(seg_ids) if seg_matrix[j, n] != 0} if seg_matrix is not None else {}
-        keep_coefs = {k: int(keep_matrix[j, n]) for n, k in enumerate(keep_ids) if keep_matrix[j, n] != 0} if keep_matrix is not None else {}
-        rows.append(MemoryRow(point=j, base=int(linear.base[j]), seg_coefs=seg_coefs, keep_coefs=keep_coefs,
-                              burst_of=linear.points[j].burst_of))
-    return rows
+    return [row_at(linear, j) for j in sorted(best.values())]
+
+
+def row_at(linear: LinearMemory, j: int, slack: int = 0) -> MemoryRow:
+    """The memory constraint of point ``j``."""
+    seg_coefs = {c: int(row[j]) for c, row in linear.seg_delta.items() if row[j] != 0}
+    keep_coefs = {k: int(row[j]) for k, row in linear.keep_delta.items() if row[j] != 0}
+    return MemoryRow(point=j, base=int(linear.base[j]), seg_coefs=seg_coefs, keep_coefs=keep_coefs,
+                     burst_of=linear.points[j].burst_of, slack=slack)
 
 
 def build_model(

@@ -58,7 +58,8 @@ class LinearMemory:
     @cached_property
     def _scale(self) -> tuple[int, int]:
         f = len(self.model.profile.ops) + 2
-        return f, 4 + 2 * f * f
+        # Burst codes use (f + neg_first) in 0..f and op in 0..f-1: keep them below span - 1.
+        return f, 4 + 2 * (f + 1) * (f + 1)
 
     def encode(self, key: Key) -> int:
         """Order-preserving integer for an event key (so numpy can sort and search)."""

@@ -16,7 +16,7 @@ import numpy as np
 
 from monet_cli.core.segments import SegmentModel
 from monet_cli.core.simulate import Plan, SimResult, simulate
-from monet_cli.core.solver.cpsat import MemoryRow, add_hint, build_model, memory_rows, solve_model
+from monet_cli.core.solver.cpsat import MemoryRow, add_hint, build_model, memory_rows, row_at, solve_model
 from monet_cli.core.solver.heuristics import best_heuristic
 from monet_cli.core.solver.linear import LinearMemory
 
@@ -103,17 +103,12 @@ class Planner:
         return self._outcome(plan, result, status, "cp-sat", objective / 1000, bound / 1000, start, rounds)
 
     def _add_cuts(self, rows: list[MemoryRow], plan: Plan, budget_bytes: int) -> list[MemoryRow]:
-        """Give every row the simulator under-predicts for ``plan`` the missing bytes."""
+        """One more row for every point where the simulator puts ``plan`` over budget but the
+        linear model did not: the missing bytes become that row's slack (a cut)."""
         exact = self.linear.live(plan)
         predicted = self.linear.predict(plan)
-        missing = np.where(self.linear.active_mask(plan), exact - predicted, 0)
-        updated = []
-        for row in rows:
-            gap = int(missing[row.point])
-            if gap > 0 and exact[row.point] > budget_bytes:
-                row = replace(row, slack=max(row.slack, gap))
-            updated.append(row)
-        return updated
+        violated = self.linear.active_mask(plan) & (exact > budget_bytes) & (exact > predicted)
+        return rows + [row_at(self.linear, int(j), int(exact[j] - predicted[j])) for j in np.flatnonzero(violated)]
 
     def _outcome(self, plan, result, status, method, objective, bound, start, rounds) -> SolveOutcome:
         gap = None

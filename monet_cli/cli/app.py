@@ -166,5 +166,46 @@ def apply(
         )
 
 
+@app.command(help="Versions of monet, torch, torchvision, ortools and Python, and the device with its memory.")
+def env(json_output: Annotated[bool, typer.Option("--json", help="Print JSON on stdout.")] = False) -> None:
+    from monet_cli.cli import info_cmds
+    from monet_cli.cli.render import print_json, print_pairs
+
+    with user_errors():
+        report = info_cmds.as_dict(info_cmds.environment())
+        if json_output:
+            print_json(report)
+        else:
+            print_pairs("monet env", report)
+
+
+@app.command(
+    help=(
+        "Check a schedule without training: schema, versions, internal consistency, and its fingerprint "
+        "against the model it names (or --model). Exit 0 when it matches, 5 when it does not, 6 when the "
+        "file is unsupported or corrupt.\n\nExample:\n\n  monet validate schedules/resnet50-60pct.yaml\n\n"
+        + EXIT_CODES_HELP
+    ),
+    no_args_is_help=True,
+)
+def validate(
+    schedule: Annotated[Path, typer.Argument(help="Schedule file.")],
+    model: Annotated[
+        Optional[str], typer.Option("--model", help="Run config, torchvision name or package.module:function.")
+    ] = None,
+    json_output: Annotated[bool, typer.Option("--json", help="Print JSON on stdout.")] = False,
+) -> None:
+    from monet_cli.cli import info_cmds
+    from monet_cli.cli.render import print_json, stderr
+
+    with user_errors():
+        result = info_cmds.validate(schedule, model)
+        if json_output:
+            print_json(info_cmds.as_dict(result))
+        elif result.ok:
+            stderr.print(f"[green]ok[/green] {schedule} matches {result.model}")
+        info_cmds.raise_if_mismatch(result)
+
+
 def main() -> None:
     app()

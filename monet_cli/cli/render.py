@@ -91,3 +91,14 @@ def schedule_table(schedule: Schedule, path: str) -> Table:
     for name, value in rows:
         table.add_row(name, value)
     return table
+
+
+def print_pairs(title: str, data: dict[str, Any]) -> None:
+    """A two-column table of a flat result (for people)."""
+    table = Table(title=title, show_header=False, title_justify="left")
+    table.add_column("what", style="bold")
+    table.add_column("value")
+    for key, value in data.items():
+        shown = format_bytes(value) + f" ({value} bytes)" if key.endswith("_bytes") and isinstance(value, int) else value
+        table.add_row(key, "-" if shown is None else str(shown))
+    Console().print(table)

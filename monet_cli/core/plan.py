@@ -84,6 +84,7 @@ def build_schedule(
         env=profile.env,
         executor=EXECUTOR,
         created_at=created_at if created_at is not None else _now(),
+        content_sha256="",
         segments=segment_decisions(model, plan),
     ))
 

@@ -98,7 +98,7 @@ class Schedule:
     env: EnvInfo
     executor: str = EXECUTOR
     created_at: str = ""
-    content_sha256: str = ""
+    content_sha256: str
     """Hash of everything above except ``created_at`` and ``solver.time_s``: equal for equal solves."""
     segments: tuple[SegmentDecision, ...] = field(default_factory=tuple)
 

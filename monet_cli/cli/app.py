@@ -122,21 +122,31 @@ def solve(
         Optional[int], typer.Option(help="CP-SAT workers. Default: CPU cores (max 8); 1 when CI is set.")
     ] = None,
     seed: Annotated[int, typer.Option(help="CP-SAT random seed.")] = 0,
+    sweep: Annotated[
+        Optional[str],
+        typer.Option(help="Solve a range of budgets START:STOP:STEP, e.g. 90%:40%:10% or 16G:4G:2G; one schedule each."),
+    ] = None,
+    plot: Annotated[Optional[Path], typer.Option(help="With --sweep: draw overhead vs memory (.png/.svg).")] = None,
     json_output: Annotated[bool, typer.Option("--json", help="Print a JSON summary on stdout.")] = False,
 ) -> None:
     from monet_cli.cli import solve_cmd
+    from monet_cli.errors import UsageError
 
     with user_errors():
-        if not budget:
-            from monet_cli.errors import UsageError
-
-            raise UsageError("--budget is required, e.g. --budget 8G or --budget 60%")
-        solve_cmd.run(
-            solve_cmd.SolveArgs(
-                profile=profile, budget=budget, output=output, time_limit=time_limit, workers=workers,
-                seed=seed, json_output=json_output,
-            )
+        if bool(budget) == bool(sweep):
+            raise UsageError("give either --budget (e.g. --budget 8G or 60%) or --sweep (e.g. 90%:40%:10%)")
+        if plot is not None and not sweep:
+            raise UsageError("--plot needs --sweep")
+        if sweep and output is not None:
+            raise UsageError("--output names one file; with --sweep schedules go to schedules/NAME-BUDGET.yaml")
+        args = solve_cmd.SolveArgs(
+            profile=profile, budget=budget, output=output, time_limit=time_limit, workers=workers,
+            seed=seed, json_output=json_output,
         )
+        if sweep:
+            solve_cmd.run_sweep(args, sweep, plot)
+        else:
+            solve_cmd.run(args)
 
 
 @app.command(
@@ -205,6 +215,94 @@ def validate(
         elif result.ok:
             stderr.print(f"[green]ok[/green] {schedule} matches {result.model}")
         info_cmds.raise_if_mismatch(result)
+
+
+@app.command(
+    help=(
+        "Summarise a profile or a schedule: model, device, versions, budget, predicted peak and overhead, what each "
+        "segment keeps or recomputes, and the top memory holders at the peak. --timeline out.html (or .png with "
+        "matplotlib) draws live memory over the step with the budget line.\n\nExample:\n\n"
+        "  monet inspect schedules/resnet50-60pct.yaml --timeline timeline.html\n\n" + EXIT_CODES_HELP
+    ),
+    no_args_is_help=True,
+)
+def inspect(
+    file: Annotated[Path, typer.Argument(help="A profile or a schedule.")],
+    profile: Annotated[
+        Optional[Path], typer.Option(help="The schedule's profile. Default: the configs/*.profile.yaml it was solved from.")
+    ] = None,
+    timeline: Annotated[Optional[Path], typer.Option(help="Write a memory timeline (.html, .png, .svg).")] = None,
+    json_output: Annotated[bool, typer.Option("--json", help="Print JSON on stdout.")] = False,
+) -> None:
+    from monet_cli.cli import inspect_cmd
+    from monet_cli.cli.render import inspect_tables, print_json, stderr
+    from monet_cli.core.profile import Profile
+
+    with user_errors():
+        target = inspect_cmd.load_any(file)
+        source = None
+        if isinstance(target, Profile):
+            report = inspect_cmd.profile_report(target, file)
+        else:
+            found = inspect_cmd.find_profile(target, profile)
+            if found is not None:
+                source = found[0]
+                inspect_cmd.check_schedule_matches(target, source)
+            report = inspect_cmd.schedule_report(target, file, source)
+        if timeline is not None:
+            inspect_cmd.timeline(target, source, timeline)
+        if json_output:
+            print_json(report)
+        else:
+            inspect_tables(report)
+        if timeline is not None:
+            stderr.print(f"[green]wrote[/green] {timeline}")
+
+
+@app.command(
+    help=(
+        "Without solving: parameters, gradients, optimizer state, activations kept for backward, the baseline "
+        "peak and the smallest peak any schedule can reach. MODEL is profiled first (same options as "
+        "monet profile); a PROFILE file is read as is. --fits SIZE exits 0 when it fits as it is, 0 with a note "
+        "when it fits only with a schedule, 7 when it cannot fit; --fits auto uses the device's free memory.\n\n"
+        "Example:\n\n  monet estimate resnet50 -b 32 -i 3,128,128 --fits 8G\n\n" + EXIT_CODES_HELP
+    ),
+    no_args_is_help=True,
+)
+def estimate(
+    target: Annotated[str, typer.Argument(help="A profile file, or a model as for monet profile.")],
+    fits: Annotated[Optional[str], typer.Option(help="Memory to fit in, e.g. 8G, 16GiB, or auto.")] = None,
+    batch_size: Annotated[Optional[int], typer.Option("--batch-size", "-b", help="Samples per step.")] = None,
+    input_shape: Annotated[Optional[list[str]], typer.Option("--input-shape", "-i", help="Per-sample input shape.")] = None,
+    input_dtype: Annotated[Optional[list[str]], typer.Option("--input-dtype", help="Input dtype.")] = None,
+    input_range: Annotated[Optional[str], typer.Option("--input-range", help="LOW:HIGH for integer inputs.")] = None,
+    device: Annotated[str, typer.Option(help="auto, cpu, cuda or cuda:N.")] = "auto",
+    optimizer: Annotated[Optional[str], typer.Option(help="sgd, adamw or none.")] = None,
+    json_output: Annotated[bool, typer.Option("--json", help="Print JSON on stdout.")] = False,
+) -> None:
+    from monet_cli.cli import estimate_cmd
+    from monet_cli.cli.render import print_json, print_pairs, stderr
+
+    with user_errors():
+        if estimate_cmd.is_profile_file(target):
+            profile = estimate_cmd.load_profile(Path(target))
+        else:
+            from monet_cli.cli import profile_cmd
+
+            profile = profile_cmd.profile_only(profile_cmd.ProfileArgs(
+                model=target, batch_size=batch_size, input_shapes=input_shape or [], input_dtypes=input_dtype or [],
+                input_range=input_range, model_args=[], device=device, optimizer=optimizer, lr=None, loss=None,
+                steps=1, seed=None, output=None, json_output=json_output,
+            ))
+        result = estimate_cmd.estimate(profile, target, fits)
+        if json_output:
+            print_json(estimate_cmd.as_dict(result))
+        else:
+            print_pairs(f"monet estimate: {profile.model.name}", estimate_cmd.as_dict(result))
+        line = estimate_cmd.verdict_line(result)
+        if line and result.verdict != "does-not-fit":
+            stderr.print(line)
+        estimate_cmd.raise_if_not_fitting(result)
 
 
 def main() -> None:

@@ -64,8 +64,8 @@ def parse_model_args(items: list[str]) -> dict[str, Any] | None:
     return kwargs
 
 
-def run(args: ProfileArgs) -> None:
-    from monet_cli.cli.render import print_json, profile_summary, profile_table, stderr
+def resolve(args: ProfileArgs):
+    """Options -> (model spec, device), validating everything before any model runs."""
     from monet_cli.workload.resolve import Overrides, resolve_model_spec
     from monet_cli.workload.step import parse_dtype, resolve_device
 
@@ -84,7 +84,19 @@ def run(args: ProfileArgs) -> None:
         for spec in overrides.inputs:
             parse_dtype(spec.dtype)
     spec = resolve_model_spec(args.model, overrides)
-    device = resolve_device(args.device)
+    return spec, resolve_device(args.device)
+
+
+def profile_only(args: ProfileArgs):
+    """Profile without writing a file (``monet estimate MODEL``)."""
+    spec, device = resolve(args)
+    return _profile_with_progress(spec, device, args.steps)
+
+
+def run(args: ProfileArgs) -> None:
+    from monet_cli.cli.render import print_json, profile_summary, profile_table, stderr
+
+    spec, device = resolve(args)
     output = args.output or Path("configs") / f"{spec.name}.profile.yaml"
     check_writable(output)
     profile = _profile_with_progress(spec, device, args.steps)

@@ -102,3 +102,42 @@ def print_pairs(title: str, data: dict[str, Any]) -> None:
         shown = format_bytes(value) + f" ({value} bytes)" if key.endswith("_bytes") and isinstance(value, int) else value
         table.add_row(key, "-" if shown is None else str(shown))
     Console().print(table)
+
+
+def inspect_tables(report: dict[str, Any]) -> None:
+    """Human view of ``monet inspect``'s report."""
+    console = Console()
+    model = report["model"]
+    head = {"file": report["file"], "kind": report["kind"], "model": f"{model['spec']} ({model['target']})",
+            "batch": f"{model['batch_size']} x " + ", ".join("x".join(map(str, i["shape"])) for i in model["inputs"])}
+    if report["kind"] == "monet.profile":
+        head.update({"device": f"{report['device']['type']} ({report['device']['name']})",
+                     "torch": report["env"]["torch"], "baseline peak": format_bytes(report["baseline"]["peak_bytes"]),
+                     "step time": f"{report['baseline']['step_ms']:.1f} ms",
+                     "ops": f"{report['forward_ops']} forward, {report['backward_ops']} backward+optimizer"})
+    else:
+        pred = report["predicted"]
+        head.update({"device": report["device_type"], "torch": report["env"]["torch"],
+                     "budget": f"{format_bytes(report['budget_bytes'])} ({report['budget_spec']})",
+                     "predicted peak": f"{format_bytes(pred['peak_bytes'])} (baseline {format_bytes(pred['baseline_peak_bytes'])})",
+                     "overhead": f"{100 * pred['overhead']:+.1f}% ({pred['step_ms']:.1f} ms vs {pred['baseline_step_ms']:.1f} ms)",
+                     "solver": f"{report['solver']['method']}: {report['solver']['status']}"})
+    table = Table(show_header=False)
+    for key, value in head.items():
+        table.add_row(key, str(value))
+    console.print(table)
+    if report.get("segments"):
+        seg = Table(title="segments (checkpointed module calls)", title_justify="left")
+        for column in ("module", "ops", "kept", "recomputed", "recompute ms"):
+            seg.add_column(column)
+        for s in report["segments"]:
+            seg.add_row(s["module"], str(s["ops"]), ", ".join(s["kept"]) or "-", str(len(s["recomputed"])),
+                        f"{s['recompute_ms']:.2f}")
+        console.print(seg)
+    if report.get("top_memory_at_peak"):
+        top = Table(title="top memory holders at the peak", title_justify="left")
+        for column in ("kind", "module", "size"):
+            top.add_column(column)
+        for row in report["top_memory_at_peak"]:
+            top.add_row(row["kind"], row["module"], format_bytes(row["bytes"]))
+        console.print(top)

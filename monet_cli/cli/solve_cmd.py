@@ -13,7 +13,7 @@ from monet_cli.core.profile import Profile, load_profile
 from monet_cli.core.schedule import Schedule, SolverInfo, file_sha256, save_schedule
 from monet_cli.core.segments import SegmentModel
 from monet_cli.core.solver.search import Planner, SolveOutcome
-from monet_cli.core.units import describe_bytes, format_bytes, parse_budget
+from monet_cli.core.units import describe_bytes, format_bytes, parse_budget, parse_size
 from monet_cli.core.yamlio import check_writable
 from monet_cli.errors import InfeasibleError, NoSolutionError, UsageError
 
@@ -144,3 +144,106 @@ def run(args: SolveArgs) -> None:
     else:
         Console().print(schedule_table(schedule, str(output)))
     stderr.print(f"[green]wrote[/green] {output}")
+
+
+def sweep_budgets(text: str, baseline_peak_bytes: int) -> list[str]:
+    """``90%:40%:10%`` -> ['90%', '80%', ..., '40%']; ``16G:4G:2G`` -> byte counts, loosest first."""
+    from fractions import Fraction
+
+    parts = text.split(":")
+    if len(parts) != 3:
+        raise UsageError(f"--sweep '{text}': expected START:STOP:STEP, e.g. 90%:40%:10%")
+    if all(p.strip().endswith("%") for p in parts):
+        try:
+            start, stop, step = (Fraction(p.strip()[:-1]) for p in parts)
+        except (ValueError, ZeroDivisionError):
+            raise UsageError(f"--sweep '{text}': percentages must be numbers") from None
+        values, unit = [start, stop, step], "%"
+    elif not any(p.strip().endswith("%") for p in parts):
+        values, unit = [Fraction(parse_size(p)) for p in parts], ""
+    else:
+        raise UsageError(f"--sweep '{text}': use percentages for all three parts or sizes for all three")
+    start, stop, step = values
+    if step <= 0 or start < stop:
+        raise UsageError(f"--sweep '{text}': go from the loosest budget down to the tightest with a positive step")
+    budgets, current = [], start
+    while current >= stop and len(budgets) < 100:
+        budgets.append(f"{float(current):g}%" if unit else str(int(current)))
+        current -= step
+    for b in budgets:
+        parse_budget(b, baseline_peak_bytes=baseline_peak_bytes)  # reject zero / nonsense up front
+    return budgets
+
+
+def run_sweep(args: SolveArgs, sweep: str, plot: Path | None) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    import ortools
+
+    from monet_cli.cli.render import print_json, stderr
+
+    if args.time_limit <= 0:
+        raise UsageError(f"--time-limit must be positive, got {args.time_limit:g}")
+    profile_path = args.profile or newest("configs/*.profile.yaml", "profile")
+    profile = load_profile(profile_path)
+    budgets = sweep_budgets(sweep, profile.baseline.peak_bytes)
+    workers = args.workers or default_workers()
+    model = SegmentModel(profile)
+    planner = Planner(model)
+    rows, hint = [], None
+    with stderr.status("solving ...") as status:
+        for spec in budgets:
+            budget = parse_budget(spec, baseline_peak_bytes=profile.baseline.peak_bytes)
+            status.update(f"solving {spec} ({format_bytes(budget)})")
+            outcome = planner.solve(budget, time_limit_s=args.time_limit, workers=workers, seed=args.seed, hint=hint)
+            if outcome.plan is None:
+                rows.append({"budget_spec": spec, "budget_bytes": budget, "status": outcome.status, "schedule": None})
+                break  # tighter budgets cannot do better
+            hint = outcome.plan
+            schedule = build_schedule(
+                profile, outcome.plan, budget_bytes=budget, budget_spec=spec, model=model,
+                profile_sha256=file_sha256(profile_path),
+                solver=SolverInfo(method=outcome.method, status=outcome.status, objective=outcome.objective_ms,
+                                  bound=outcome.bound_ms, gap=outcome.gap, time_s=outcome.time_s, workers=workers,
+                                  seed=args.seed, time_limit_s=args.time_limit, ortools=ortools.__version__),
+            )
+            path = Path("schedules") / schedule_name(profile_path, spec)
+            save_schedule(schedule, path)
+            rows.append({**summary(schedule, path), "budget_spec": spec})
+    flag_non_monotonic(rows)
+    if plot is not None:
+        plot_sweep(rows, profile, plot)
+    if args.json_output:
+        print_json({"profile": str(profile_path), "points": rows})
+        return
+    table = Table(title=f"monet solve --sweep {sweep}: {profile.model.name}", title_justify="left")
+    for column in ("budget", "predicted peak", "overhead", "status", "schedule"):
+        table.add_column(column)
+    for row in rows:
+        peak = format_bytes(row["predicted_peak_bytes"]) if row.get("schedule") else "-"
+        overhead = f"{100 * row['overhead']:+.1f}%" if row.get("schedule") else "-"
+        if row.get("non_monotonic"):
+            overhead += " (!)"
+        table.add_row(f"{row['budget_spec']} = {format_bytes(row['budget_bytes'])}", peak, overhead, row["status"],
+                      row.get("schedule") or "infeasible")
+    Console().print(table)
+    if any(row.get("non_monotonic") for row in rows):
+        stderr.print("(!) a tighter budget predicts less overhead than a looser one: the looser solve did not "
+                     "reach its optimum; raise --time-limit")
+
+
+def flag_non_monotonic(rows: list[dict[str, Any]]) -> None:
+    """Mark points whose overhead is below a looser budget's (loosest first)."""
+    solved = [r for r in rows if r.get("schedule")]
+    for looser, tighter in zip(solved, solved[1:]):
+        if tighter["overhead"] < looser["overhead"] - 1e-9:
+            tighter["non_monotonic"] = True
+
+
+def plot_sweep(rows: list[dict[str, Any]], profile: Profile, path: Path) -> None:
+    from monet_cli.cli.timeline import plot_points
+
+    solved = [r for r in rows if r.get("schedule")]
+    plot_points(path, f"{profile.model.name}: predicted overhead vs peak memory",
+                [(r["predicted_peak_bytes"], r["overhead"], r["budget_spec"]) for r in solved])

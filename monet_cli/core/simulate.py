@@ -45,13 +45,7 @@ class SimResult:
 
 def memory_events(model: SegmentModel, plan: Plan) -> list[tuple[Key, int]]:
     """Every (key, +/- bytes) memory event of the step under ``plan``, unsorted."""
-    _check_plan(model, plan)
-    events = _Events(model, plan)
-    for storage in model.profile.storages:
-        events.add_storage(storage)
-    for call in plan:
-        events.add_burst(call)
-    return events.items
+    return _events(model, plan).items
 
 
 def burst_key(model: SegmentModel, call: int, op: int, sub: int) -> Key:
@@ -96,6 +90,8 @@ class _Events:
         self.plan = plan
         self.end = model.end
         self.items: list[tuple[Key, int]] = []
+        self.owners: list[tuple[int, bool]] = []
+        """For each item: (storage id, whether it is a recomputed copy or transient)."""
         self.pack_owner = model.chosen_segment_of_pack(plan)
         self.op_owner = model.chosen_segment_of_op(plan)
         self.frame_holds = self._frame_holds()
@@ -112,9 +108,10 @@ class _Events:
                 holds[sid] = max(holds.get(sid, end), end)
         return holds
 
-    def span(self, alloc: Key, free: Key, nbytes: int) -> None:
+    def span(self, alloc: Key, free: Key, nbytes: int, storage: int = -1, recomputed: bool = False) -> None:
         self.items.append((alloc, nbytes))
         self.items.append((free, -nbytes))
+        self.owners += [(storage, recomputed), (storage, recomputed)]
 
     def burst_key(self, call: int, op: int, sub: int) -> Key:
         return burst_key(self.model, call, op, sub)
@@ -126,7 +123,7 @@ class _Events:
         alloc: Key = (s.alloc, 2) if s.producer is not None or s.alloc > 0 else (-1, 2)
         baseline_free: Key = (self.end if s.free is None else s.free, 0)
         if s.kind != "activation" or s.producer is None:
-            self.span(alloc, baseline_free, s.bytes)
+            self.span(alloc, baseline_free, s.bytes, s.id)
             return
         owner = self.op_owner[s.producer] if s.producer < len(self.op_owner) else None
         kept = owner is not None and s.producer in self.plan[owner]
@@ -137,7 +134,7 @@ class _Events:
             free = self._original_free(s, owner, kept, packs, baseline_free)
         if s.id in self.frame_holds:
             free = max(free, self.frame_holds[s.id])
-        self.span(alloc, free, s.bytes)
+        self.span(alloc, free, s.bytes, s.id)
 
     def _original_free(self, s: StorageRecord, owner: int | None, kept: bool, packs: list[int], baseline_free: Key) -> Key:
         python_end: Key = baseline_free if s.free_no_autograd is None else (s.free_no_autograd, 0)
@@ -175,33 +172,49 @@ class _Events:
                 s = storages[sid]
                 alloc = self.burst_key(call, op, 1)
                 if sid in self.copies:
-                    self.span(alloc, self.copy_free[sid], s.bytes)
+                    free = self.copy_free[sid]
                 elif s.free_no_autograd is not None and s.free_no_autograd < seg.stop:
-                    self.span(alloc, self.burst_key(call, s.free_no_autograd, 0), s.bytes)
+                    free = self.burst_key(call, s.free_no_autograd, 0)
                 else:
-                    self.span(alloc, self.burst_end(call), s.bytes)
+                    free = self.burst_end(call)
+                self.span(alloc, free, s.bytes, sid, recomputed=True)
+
+
+def _events(model: SegmentModel, plan: Plan) -> _Events:
+    _check_plan(model, plan)
+    events = _Events(model, plan)
+    for storage in model.profile.storages:
+        events.add_storage(storage)
+    for call in plan:
+        events.add_burst(call)
+    return events
+
+
+def live_at_peak(model: SegmentModel, plan: Plan) -> list[tuple[int, bool, int]]:
+    """(storage id, recomputed copy?, bytes) of everything live at the simulated peak."""
+    events = _events(model, plan)
+    _, peak_key, _ = _sweep(list(events.items), False)
+    live: dict[tuple[int, bool], int] = {}
+    for (key, delta), owner in zip(events.items, events.owners):
+        if key <= peak_key:
+            live[owner] = live.get(owner, 0) + delta
+    return [(sid, copy, nbytes) for (sid, copy), nbytes in live.items() if nbytes > 0]
 
 
 def peak_breakdown(model: SegmentModel, plan: Plan) -> dict[str, int]:
     """Live bytes per storage kind at the simulated peak of ``plan``."""
-    peak, peak_key, _ = _sweep(memory_events(model, plan), False)
-    live: dict[str, int] = {}
-    events = _Events(model, plan)
-    for storage in model.profile.storages:
-        before = len(events.items)
-        events.add_storage(storage)
-        for key, delta in events.items[before:]:
-            if delta > 0 and key <= peak_key:
-                live[storage.kind] = live.get(storage.kind, 0) + delta
-            elif delta < 0 and key <= peak_key:
-                live[storage.kind] = live.get(storage.kind, 0) + delta
-    for call in plan:
-        before = len(events.items)
-        events.add_burst(call)
-        for key, delta in events.items[before:]:
-            if key <= peak_key:
-                live["recomputed"] = live.get("recomputed", 0) + delta
-    return {kind: nbytes for kind, nbytes in sorted(live.items(), key=lambda kv: -kv[1]) if nbytes > 0}
+    storages = model.profile.storages
+    totals: dict[str, int] = {}
+    for sid, copy, nbytes in live_at_peak(model, plan):
+        kind = "recomputed" if copy else storages[sid].kind
+        totals[kind] = totals.get(kind, 0) + nbytes
+    return dict(sorted(totals.items(), key=lambda kv: -kv[1]))
+
+
+def live_series(model: SegmentModel, plan: Plan) -> tuple[int, ...]:
+    """Live bytes after each allocation step of the simulated step, in order (for timelines)."""
+    _, _, points = _sweep(memory_events(model, plan), True)
+    return tuple(v for _, v in points)
 
 
 def _sweep(items: list[tuple[Key, int]], want_timeline: bool) -> tuple[int, Key, tuple[tuple[int, int], ...]]:

@@ -1,0 +1,117 @@
+"""``monet inspect``: what a profile or schedule says, and where the memory goes."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from monet_cli.core.plan import plan_of
+from monet_cli.core.profile import LOSS_MODULE, PROFILE_KIND, Profile, profile_from_data
+from monet_cli.core.schedule import SCHEDULE_KIND, Schedule, file_sha256, schedule_from_data
+from monet_cli.core.segments import SegmentModel
+from monet_cli.core.simulate import Plan, live_at_peak, live_series, simulate
+from monet_cli.core.yamlio import load_yaml_file
+from monet_cli.errors import FileFormatError, UsageError
+
+TOP = 10
+
+
+def load_any(path: Path) -> Profile | Schedule:
+    data = load_yaml_file(path)
+    kind = data.get("kind")
+    if kind == PROFILE_KIND:
+        return profile_from_data(data, source=str(path))
+    if kind == SCHEDULE_KIND:
+        return schedule_from_data(data, source=str(path))
+    raise FileFormatError(f"{path}: kind: expected {PROFILE_KIND} or {SCHEDULE_KIND}, got {kind!r}")
+
+
+def find_profile(schedule: Schedule, explicit: Path | None) -> tuple[Profile, Path] | None:
+    """The schedule's own profile: --profile, else a configs/*.profile.yaml with its sha256."""
+    from monet_cli.core.profile import load_profile
+
+    if explicit is not None:
+        return load_profile(explicit), explicit
+    for candidate in sorted(Path("configs").glob("*.profile.yaml")):
+        if file_sha256(candidate) == schedule.profile_sha256:
+            return load_profile(candidate), candidate
+    return None
+
+
+def top_holders(profile: Profile, plan: Plan) -> list[dict[str, Any]]:
+    """Largest owners of memory at the simulated peak, grouped by module and kind."""
+    model = SegmentModel(profile)
+    groups: dict[tuple[str, str], int] = {}
+    for sid, copy, nbytes in live_at_peak(model, plan):
+        storage = profile.storages[sid]
+        if copy:
+            kind, where = "recomputed", profile.ops[storage.producer].module
+        elif storage.kind == "activation" and storage.producer is not None and storage.producer < len(profile.ops):
+            kind, where = "activation", profile.ops[storage.producer].module
+        else:
+            kind, where = storage.kind, "-"
+        key = (kind, where or "<model>")
+        groups[key] = groups.get(key, 0) + nbytes
+    ranked = sorted(groups.items(), key=lambda kv: -kv[1])[:TOP]
+    return [{"kind": kind, "module": module, "bytes": nbytes} for (kind, module), nbytes in ranked]
+
+
+def profile_report(profile: Profile, path: Path) -> dict[str, Any]:
+    slow = sorted(profile.ops, key=lambda op: -op.time_ms)[:TOP]
+    return {
+        "file": str(path), "kind": profile.kind, "model": asdict(profile.model), "device": asdict(profile.device),
+        "env": asdict(profile.env), "fingerprint": asdict(profile.fingerprint), "baseline": asdict(profile.baseline),
+        "memory": asdict(profile.memory),
+        "forward_ops": len(profile.ops), "backward_ops": len(profile.backward),
+        "segments": sum(c.checkpointable for c in profile.calls),
+        "top_memory_at_peak": top_holders(profile, {}),
+        "slowest_ops": [{"index": op.index, "op": op.op, "module": op.module or LOSS_MODULE, "time_ms": op.time_ms}
+                        for op in slow],
+    }
+
+
+def schedule_report(schedule: Schedule, path: Path, profile: Profile | None) -> dict[str, Any]:
+    segments = [
+        {"module": s.module, "ops": s.end_op - s.first_op, "recompute_ms": s.recompute_ms,
+         "kept": [f"{d.op}#{d.occurrence}" for d in s.decisions if d.action == "keep"],
+         "recomputed": [f"{d.op}#{d.occurrence}" for d in s.decisions if d.action == "recompute"]}
+        for s in schedule.segments
+    ]
+    report = {
+        "file": str(path), "kind": schedule.kind, "model": asdict(schedule.model),
+        "device_type": schedule.fingerprint.device_type, "env": asdict(schedule.env),
+        "budget_bytes": schedule.budget_bytes, "budget_spec": schedule.budget_spec,
+        "predicted": asdict(schedule.predicted), "solver": asdict(schedule.solver), "segments": segments,
+        "top_memory_at_peak": None,
+    }
+    if profile is not None:
+        report["top_memory_at_peak"] = top_holders(profile, plan_of(schedule))
+    return report
+
+
+def timeline(target: Profile | Schedule, profile: Profile | None, out: Path) -> None:
+    from monet_cli.cli.timeline import Series, write_timeline
+
+    if isinstance(target, Profile):
+        model = SegmentModel(target)
+        series = [Series(label="no checkpointing (predicted)", values=live_series(model, {}))]
+        write_timeline(out, f"{target.model.name}: live memory over one step", series, None)
+        return
+    if profile is None:
+        raise UsageError("--timeline for a schedule needs its profile: pass --profile PATH")
+    model = SegmentModel(profile)
+    plan = plan_of(target)
+    series = [
+        Series(label="no checkpointing (predicted)", values=live_series(model, {})),
+        Series(label=f"schedule {target.budget_spec} (predicted)", values=live_series(model, plan)),
+    ]
+    write_timeline(out, f"{target.model.name}: live memory over one step", series, target.budget_bytes)
+
+
+def check_schedule_matches(schedule: Schedule, profile: Profile) -> None:
+    if profile.fingerprint != schedule.fingerprint:
+        raise UsageError("--profile: that profile was made for another model or shape than the schedule")
+    result = simulate(profile, plan_of(schedule))
+    if result.peak_bytes != schedule.predicted.peak_bytes:
+        raise UsageError("--profile: that profile does not reproduce the schedule's predicted peak (another run)")

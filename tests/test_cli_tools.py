@@ -1,0 +1,169 @@
+"""inspect, estimate, validate, env, sweeps, exit codes, interrupts and determinism."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from monet_cli.cli.app import app
+from monet_cli.core.profile import save_profile
+from monet_cli.errors import EXIT_CODE_TABLE
+
+runner = CliRunner()
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def monet(*args: str):
+    return runner.invoke(app, list(args))
+
+
+@pytest.fixture(scope="module")
+def solved(tmp_path_factory, skip_cnn_profile):
+    """A profile in configs/ and a schedule solved from it, in a scratch working directory."""
+    root = tmp_path_factory.mktemp("tools")
+    (root / "configs").mkdir()
+    save_profile(skip_cnn_profile, root / "configs" / "skip.profile.yaml")
+    old = Path.cwd()
+    os.chdir(root)
+    try:
+        result = monet("solve", "--budget", "100%", "--workers", "1", "--json")
+        assert result.exit_code == 0, result.stderr
+    finally:
+        os.chdir(old)
+    return root, root / json.loads(result.stdout)["schedule"]
+
+
+def test_env_json():
+    result = monet("env", "--json")
+    assert result.exit_code == 0
+    data = json.loads(result.stdout)
+    assert {"monet", "torch", "torchvision", "ortools", "python", "device", "device_memory_bytes"} <= set(data)
+
+
+def test_validate_ok_mismatch_and_corrupt(solved, tmp_path):
+    root, schedule = solved
+    assert monet("validate", str(schedule)).exit_code == 0
+    result = monet("validate", str(schedule), "--model", "resnet18", "--json")
+    assert result.exit_code == 5
+    assert json.loads(result.stdout)["ok"] is False
+    broken = tmp_path / "broken.yaml"
+    broken.write_text(schedule.read_text()[:200])
+    assert monet("validate", str(broken)).exit_code == 6
+
+
+def test_estimate_verdicts(solved):
+    root, _ = solved
+    profile = str(root / "configs" / "skip.profile.yaml")
+    data = json.loads(monet("estimate", profile, "--json").stdout)
+    base, low = data["baseline_peak_bytes"], data["min_peak_bytes"]
+    assert low <= base and data["verdict"] is None
+    assert json.loads(monet("estimate", profile, "--fits", str(base), "--json").stdout)["verdict"] == "fits"
+    if low < base:
+        between = monet("estimate", profile, "--fits", str(low), "--json")
+        assert between.exit_code == 0 and json.loads(between.stdout)["verdict"] == "fits-with-schedule"
+        assert "only with a schedule" in between.stderr
+    too_small = monet("estimate", profile, "--fits", str(low - 1))
+    assert too_small.exit_code == 7 and "does not fit" in too_small.stderr
+
+
+def test_inspect_profile_and_schedule(solved, tmp_path):
+    root, schedule = solved
+    data = json.loads(monet("inspect", str(root / "configs" / "skip.profile.yaml"), "--json").stdout)
+    assert data["kind"] == "monet.profile" and data["top_memory_at_peak"]
+    assert sum(r["bytes"] for r in data["top_memory_at_peak"]) <= data["baseline"]["peak_bytes"]
+    out = tmp_path / "t.html"
+    result = monet("inspect", str(schedule), "--profile", str(root / "configs" / "skip.profile.yaml"),
+                   "--timeline", str(out), "--json")
+    assert result.exit_code == 0, result.stderr
+    assert json.loads(result.stdout)["kind"] == "monet.schedule"
+    assert "<svg" in out.read_text() and "budget" in out.read_text()
+    assert monet("inspect", str(schedule), "--timeline", str(tmp_path / "t.txt")).exit_code == 2
+
+
+def test_sweep_writes_one_schedule_per_feasible_budget(solved, monkeypatch):
+    root, _ = solved
+    monkeypatch.chdir(root)
+    result = monet("solve", "--sweep", "100%:90%:5%", "--workers", "1", "--json")
+    assert result.exit_code == 0, result.stderr
+    points = json.loads(result.stdout)["points"]
+    assert [p["budget_spec"] for p in points][:1] == ["100%"]
+    for p in points:
+        if p.get("schedule"):
+            assert Path(p["schedule"]).exists() and p["predicted_peak_bytes"] <= p["budget_bytes"]
+    assert monet("solve", "--sweep", "40%:90%:10%").exit_code == 2
+    assert monet("solve", "--budget", "90%", "--sweep", "90%:80%:10%").exit_code == 2
+
+
+def test_non_monotonic_points_are_flagged():
+    from monet_cli.cli.solve_cmd import flag_non_monotonic
+
+    rows = [{"schedule": "a", "overhead": 0.05}, {"schedule": "b", "overhead": 0.03}, {"schedule": "c", "overhead": 0.1}]
+    flag_non_monotonic(rows)
+    assert [r.get("non_monotonic", False) for r in rows] == [False, True, False]
+
+
+def test_no_solution_in_time_is_exit_4(solved, monkeypatch):
+    from monet_cli.core.solver import search
+    from monet_cli.core.solver.cpsat import CpResult
+
+    root, _ = solved
+    monkeypatch.setattr(search, "solve_model", lambda *a, **k: CpResult(status="UNKNOWN", plan=None, objective=None,
+                                                                          bound=None, wall_s=0.0))
+    monkeypatch.setattr(search, "best_heuristic", lambda model, budget: ("none", {}, False))
+    result = monet("solve", str(root / "configs" / "skip.profile.yaml"), "--budget", "99%", "--workers", "1",
+                   "-o", str(root / "none.yaml"))
+    assert result.exit_code == 4, result.stderr
+    assert "no schedule within" in result.stderr and not (root / "none.yaml").exists()
+
+
+def test_exit_code_table_is_documented():
+    help_text = monet("--help").stdout
+    readme = (ROOT / "README.md").read_text()
+    for code, _ in EXIT_CODE_TABLE:
+        assert f"{code} " in help_text
+        assert f"| {code} |" in readme
+
+
+def test_same_inputs_give_the_same_schedule_file(solved, tmp_path):
+    root, _ = solved
+    profile = str(root / "configs" / "skip.profile.yaml")
+    texts = []
+    for name in ("a.yaml", "b.yaml"):
+        assert monet("solve", profile, "--budget", "97%", "--workers", "1", "--seed", "3", "-o",
+                     str(tmp_path / name)).exit_code == 0
+        data = yaml.safe_load((tmp_path / name).read_text())
+        texts.append((tmp_path / name).read_text())
+        data.pop("created_at")
+        data["solver"].pop("time_s")
+    a, b = (yaml.safe_load(t) for t in texts)
+    assert a["content_sha256"] == b["content_sha256"]
+    strip = lambda t: [l for l in t.splitlines() if not l.startswith("created_at:") and "time_s:" not in l]  # noqa: E731
+    assert strip(texts[0]) == strip(texts[1])
+
+
+def test_ctrl_c_leaves_old_file_and_exits_130(tmp_path):
+    out = tmp_path / "p.yaml"
+    out.write_text("old contents\n")
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "monet_cli", "profile", "resnet50", "-i", "3,128,128", "-b", "8", "--steps", "60",
+         "--device", "cpu", "-o", str(out)],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    time.sleep(10)  # past start-up, well inside the ~40 s of timed steps
+    assert proc.poll() is None, "profiling ended before the interrupt"
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 130, stderr[-2000:]
+    assert stderr.strip().splitlines()[-1] == "monet: interrupted"
+    assert out.read_text() == "old contents\n"
+    assert [p.name for p in tmp_path.iterdir()] == ["p.yaml"]

@@ -166,13 +166,20 @@ def apply(
     device: Annotated[
         Optional[str], typer.Option(help="cpu, cuda or cuda:N. Default: the device type the schedule was made for.")
     ] = None,
+    timeline: Annotated[
+        Optional[Path], typer.Option(help="Write measured (and predicted) memory timelines (.html, .png, .svg).")
+    ] = None,
+    profile: Annotated[
+        Optional[Path], typer.Option(help="The schedule's profile, for the predicted timeline. Default: found in configs/.")
+    ] = None,
     json_output: Annotated[bool, typer.Option("--json", help="Print the result as JSON on stdout.")] = False,
 ) -> None:
     from monet_cli.cli import apply_cmd
 
     with user_errors():
         apply_cmd.run(
-            apply_cmd.ApplyArgs(schedule=schedule, steps=steps, check=check, device=device, json_output=json_output)
+            apply_cmd.ApplyArgs(schedule=schedule, steps=steps, check=check, device=device, json_output=json_output,
+                                timeline=timeline, profile=profile)
         )
 
 

@@ -18,6 +18,8 @@ class ApplyArgs:
     check: bool
     device: str | None
     json_output: bool
+    timeline: Path | None = None
+    profile: Path | None = None
 
 
 def report_json(report) -> dict[str, Any]:
@@ -69,9 +71,14 @@ def run(args: ApplyArgs) -> None:
     path = args.schedule or newest("schedules/*.yaml", "schedule")
     schedule = load_schedule(path)
     device = resolve_device(args.device or schedule.fingerprint.device_type)
+    if args.timeline is not None and device.type != "cpu":
+        raise UsageError("--timeline records the measured step with the CPU meter; use --device cpu")
     with stderr.status("applying ...") as status:
-        report = run_apply(schedule, device, steps=args.steps, check=args.check,
+        report = run_apply(schedule, device, steps=args.steps, check=args.check, timeline=args.timeline is not None,
                            progress=lambda label: status.update(f"apply: {label}"))
+    if args.timeline is not None:
+        write_measured_timeline(args.timeline, schedule, report, args.profile)
+        stderr.print(f"[green]wrote[/green] {args.timeline}")
     if args.json_output:
         print_json(report_json(report))
     else:
@@ -82,3 +89,23 @@ def run(args: ApplyArgs) -> None:
         )
     if report.check is not None and not report.check.ok:
         raise OverBudgetError(f"gradients differ from the unmodified model (max |diff| {report.check.max_grad_diff:.3e})")
+
+
+def write_measured_timeline(path: Path, schedule, report, profile_path: Path | None) -> None:
+    """Measured baseline and schedule beside the predicted schedule (when its profile is found)."""
+    from monet_cli.cli.inspect_cmd import find_profile
+    from monet_cli.cli.render import stderr
+    from monet_cli.cli.timeline import Series, write_timeline
+    from monet_cli.core.plan import plan_of
+    from monet_cli.core.segments import SegmentModel
+    from monet_cli.core.solver.linear import live_series
+
+    series = [Series(label="no checkpointing (measured)", values=report.baseline_timeline),
+              Series(label=f"schedule {schedule.budget_spec} (measured)", values=report.timeline)]
+    found = find_profile(schedule, profile_path)
+    if found is not None:
+        series.append(Series(label=f"schedule {schedule.budget_spec} (predicted)",
+                             values=live_series(SegmentModel(found[0]), plan_of(schedule))))
+    else:
+        stderr.print("note: the schedule's profile is not in configs/ (or --profile): no predicted line")
+    write_timeline(path, f"{schedule.model.name}: live memory over one step", series, schedule.budget_bytes)

@@ -10,7 +10,8 @@ from monet_cli.core.plan import plan_of
 from monet_cli.core.profile import LOSS_MODULE, PROFILE_KIND, Profile, profile_from_data
 from monet_cli.core.schedule import SCHEDULE_KIND, Schedule, file_sha256, schedule_from_data
 from monet_cli.core.segments import SegmentModel
-from monet_cli.core.simulate import Plan, live_at_peak, live_series, simulate
+from monet_cli.core.simulate import Plan, live_at_peak, simulate
+from monet_cli.core.solver.linear import live_series
 from monet_cli.core.yamlio import load_yaml_file
 from monet_cli.errors import FileFormatError, UsageError
 

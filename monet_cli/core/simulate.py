@@ -211,12 +211,6 @@ def peak_breakdown(model: SegmentModel, plan: Plan) -> dict[str, int]:
     return dict(sorted(totals.items(), key=lambda kv: -kv[1]))
 
 
-def live_series(model: SegmentModel, plan: Plan) -> tuple[int, ...]:
-    """Live bytes after each allocation step of the simulated step, in order (for timelines)."""
-    _, _, points = _sweep(memory_events(model, plan), True)
-    return tuple(v for _, v in points)
-
-
 def _sweep(items: list[tuple[Key, int]], want_timeline: bool) -> tuple[int, Key, tuple[tuple[int, int], ...]]:
     items.sort(key=lambda item: item[0])
     current = peak = 0

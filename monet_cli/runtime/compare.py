@@ -44,6 +44,9 @@ class ApplyReport:
     baseline_step_ms: float
     check: CheckResult | None
     meter: str
+    timeline: tuple[int, ...] = ()
+    """Measured live bytes after each op of the scheduled step (CPU, when asked for)."""
+    baseline_timeline: tuple[int, ...] = ()
 
     @property
     def within_budget(self) -> bool:
@@ -54,11 +57,11 @@ class ApplyReport:
         return (self.predicted_peak_bytes - self.measured_peak_bytes) / max(1, self.measured_peak_bytes)
 
 
-def _measured_peak(workload: Workload, seed: int):
+def _measured_peak(workload: Workload, seed: int, timeline: bool = False):
     torch.manual_seed(seed)
     workload.zero_grad()
     pre = preexisting_tensors(workload.model, workload.optimizer, workload.data_tensors())
-    return measure_step(workload.step, device=workload.device, preexisting=pre)
+    return measure_step(workload.step, device=workload.device, preexisting=pre, timeline=timeline)
 
 
 def _first_step(workload: Workload) -> dict[str, dict[str, torch.Tensor]]:
@@ -102,7 +105,7 @@ def compare(baseline: dict, scheduled: dict) -> CheckResult:
 
 def run_apply(
     schedule: Schedule, device: torch.device, *, steps: int, check: bool,
-    progress: Callable[[str], None] = lambda label: None,
+    progress: Callable[[str], None] = lambda label: None, timeline: bool = False,
 ) -> ApplyReport:
     spec = schedule.model
     progress("building models")
@@ -114,8 +117,8 @@ def run_apply(
     first_sched = run_checked(lambda: _first_step(scheduled), "scheduled step")
     result = compare(first_base, first_sched) if check else None
     progress("measuring peak memory")
-    base_peak = run_checked(lambda: _measured_peak(baseline, CHECK_SEED + 1), "baseline step")
-    sched_peak = run_checked(lambda: _measured_peak(scheduled, CHECK_SEED + 1), "scheduled step")
+    base_peak = run_checked(lambda: _measured_peak(baseline, CHECK_SEED + 1, timeline), "baseline step")
+    sched_peak = run_checked(lambda: _measured_peak(scheduled, CHECK_SEED + 1, timeline), "scheduled step")
     base_ms, sched_ms = [], []
     for i in range(steps):
         progress(f"timing steps ({i + 1}/{steps})")
@@ -130,4 +133,6 @@ def run_apply(
         baseline_step_ms=round(statistics.median(base_ms), 3),
         check=result,
         meter=sched_peak.meter,
+        timeline=sched_peak.timeline,
+        baseline_timeline=base_peak.timeline,
     )

@@ -93,10 +93,28 @@ class LiveStorageMeter(TorchDispatchMode):
                 self.track(tensor, kind="other", producer=None)
 
 
+class TimelineMeter(LiveStorageMeter):
+    """A live-storage meter that also keeps the live bytes after every op."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.timeline: list[int] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from monet_cli.runtime.fingerprint import IGNORED_OPS
+
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        if str(func) not in IGNORED_OPS:  # numbered like the profile's ops
+            self.timeline.append(self.current_bytes)
+        return out
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Measurement:
     peak_bytes: int
     meter: str
+    timeline: tuple[int, ...] = ()
+    """Live bytes after each op (CPU meter only, when asked for)."""
 
 
 def preexisting_tensors(
@@ -121,6 +139,7 @@ def measure_step(
     *,
     device: torch.device,
     preexisting: list[tuple[torch.Tensor, str]],
+    timeline: bool = False,
 ) -> Measurement:
     """Run ``step`` once and return its peak memory with the device's meter."""
     if device.type == "cuda":
@@ -129,9 +148,10 @@ def measure_step(
         step()
         torch.cuda.synchronize(device)
         return Measurement(peak_bytes=int(torch.cuda.max_memory_allocated(device)), meter="cuda-allocator")
-    meter = LiveStorageMeter()
+    meter = TimelineMeter() if timeline else LiveStorageMeter()
     for tensor, kind in preexisting:
         meter.track(tensor, kind=kind, producer=None)
     with meter:
         step()
-    return Measurement(peak_bytes=meter.peak_bytes, meter="live-storages")
+    return Measurement(peak_bytes=meter.peak_bytes, meter="live-storages",
+                       timeline=tuple(meter.timeline) if timeline else ())

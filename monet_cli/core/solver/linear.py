@@ -111,3 +111,10 @@ class LinearMemory:
 
     def active_mask(self, plan: Plan) -> np.ndarray:
         return np.array([p.burst_of is None or p.burst_of in plan for p in self.points])
+
+
+def live_series(model: SegmentModel, plan: Plan) -> tuple[int, ...]:
+    """Predicted live bytes after every op of the step, recompute bursts included, in run order."""
+    linear = LinearMemory(model)
+    values = linear.live(plan)[linear.active_mask(plan)]
+    return tuple(int(v) for v in values[1:])  # drop the point before the first op

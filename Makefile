@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo demo-user test bench bench-smoke venv clean
+.PHONY: demo demo-user test bench bench-smoke schedules venv clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -36,6 +36,15 @@ bench: $(STAMP)
 
 bench-smoke: $(STAMP)
 	$(BIN)/python bench/run.py --smoke --out /tmp/monet-bench-smoke
+
+# Re-make the shipped CPU profiles and schedules (one solver worker: deterministic).
+SHIPPED := resnet50:60% vgg16:80% mobilenet_v2:60% vit_b_16:70% gpt:50% unet:70%
+schedules: $(STAMP)
+	for item in $(SHIPPED); do \
+		name=$${item%%:*}; budget=$${item#*:}; \
+		$(BIN)/monet profile $$name --device cpu || exit 1; \
+		CI=1 $(BIN)/monet solve configs/$$name.profile.yaml --budget $$budget || exit 1; \
+	done
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q

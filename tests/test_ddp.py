@@ -28,7 +28,8 @@ def test_ddp_two_processes_same_gradients(tmp_path: Path):
     info = SolverInfo(method="test", status="n/a", objective=None, bound=None, gap=None, time_s=0.0, workers=1,
                       seed=0, time_limit_s=0.0, ortools="")
     path = tmp_path / "ddp.yaml"
-    save_schedule(build_schedule(profile, plan, budget_bytes=1, budget_spec="1", solver=info, profile_sha256="",
+    save_schedule(build_schedule(profile, plan, budget_bytes=2 * profile.baseline.peak_bytes, budget_spec="200%",
+                                 solver=info, profile_sha256="",
                                  model=model), path)
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     result = subprocess.run(

@@ -109,7 +109,9 @@ class Schedule:
 
 def content_hash(schedule: Schedule) -> str:
     """SHA-256 of the canonical payload: no timestamps, no wall times, no hash itself."""
-    data = to_data(replace(schedule, created_at="", content_sha256="", solver=replace(schedule.solver, time_s=0.0)))
+    stripped = replace(schedule, created_at="", content_sha256="", solver=replace(schedule.solver, time_s=0.0))
+    # Through the loader once, so a value typed 0 in memory and 0.0 in the file hash alike.
+    data = to_data(from_data(Schedule, to_data(stripped), source="<hash>"))
     canonical = json.dumps(data, sort_keys=True, separators=(",", ":"), default=list)
     return hashlib.sha256(canonical.encode("utf-8")).hexdigest()
 

@@ -129,7 +129,7 @@ class SegmentModel:
         if seg.burst_pos is None:
             return 0.0
         ops = self.profile.ops
-        return sum(ops[i].time_ms for i in range(seg.first_op, seg.stop) if i not in kept)
+        return sum((ops[i].time_ms for i in range(seg.first_op, seg.stop) if i not in kept), 0.0)
 
     def occurrence(self, call_index: int, op_index: int) -> int:
         """Index of the op among same-overload ops of the segment (the SAC policy key)."""

@@ -78,12 +78,21 @@ def atomic_write_text(path: Path, text: str) -> None:
             handle.write(text)
             handle.flush()
             os.fsync(handle.fileno())
+        os.chmod(tmp_name, _file_mode(path))  # mkstemp makes 0600; give the mode a plain open() would
         os.replace(tmp_name, path)
     except BaseException as err:
         Path(tmp_name).unlink(missing_ok=True)
         if isinstance(err, OSError):
             raise OutputError(f"{path}: cannot write: {err.strerror or err}") from None
         raise
+
+
+def _file_mode(path: Path) -> int:
+    if path.exists():
+        return path.stat().st_mode & 0o777
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o666 & ~umask
 
 
 def check_writable(path: Path) -> None:

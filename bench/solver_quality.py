@@ -25,7 +25,6 @@ Usage, from the repository root::
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import os
 import platform
@@ -46,6 +45,7 @@ from ortools.sat.python import cp_model  # noqa: E402
 
 from monet_cli.core.profile import InputSpec, Profile  # noqa: E402
 from monet_cli.core.segments import SegmentModel  # noqa: E402
+from monet_cli.core.solver.enumerate import all_plans  # noqa: E402
 from monet_cli.core.simulate import Plan, simulate  # noqa: E402
 from monet_cli.core.solver import search  # noqa: E402
 from monet_cli.core.solver.cpsat import add_hint, build_model, recompute_costs  # noqa: E402
@@ -144,28 +144,6 @@ def model_shape(factory: str, kwargs: dict[str, Any]) -> dict[str, Any]:
 
 
 # -- brute force ----------------------------------------------------------------------
-
-
-def all_plans(model: SegmentModel) -> list[Plan]:
-    """Every schedule the runtime can execute: non-nested segments, any kept subset.
-
-    The same enumeration as ``tests/test_solver.py:all_plans`` (copied: that module
-    imports pytest's conftest).
-    """
-    segments = sorted(model.segments)
-    families: list[list[int]] = [[]]
-    for call in segments:
-        families += [f + [call] for f in families if all(not model.overlaps(call, o) for o in f)]
-    plans = []
-    for family in families:
-        keep_choices = [
-            [frozenset(c) for r in range(len(model.segments[s].candidates) + 1)
-             for c in itertools.combinations(model.segments[s].candidates, r)]
-            for s in family
-        ]
-        for kept in itertools.product(*keep_choices):
-            plans.append(dict(zip(family, kept)))
-    return plans
 
 
 def objective_us(plan: Plan, seg_cost: dict[int, int], keep_saving: dict[tuple[int, int], int]) -> int:

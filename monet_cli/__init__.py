@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
 
@@ -23,10 +23,6 @@ def apply(model: "nn.Module", schedule: "Schedule | str | Path", *, check_finger
     from monet_cli.runtime.executor import apply_schedule
 
     return apply_schedule(model, schedule, check_fingerprint=check_fingerprint)
-
-
-def __getattr__(name: str) -> Any:
-    raise AttributeError(f"module 'monet_cli' has no attribute {name!r}")
 
 
 __all__ = ["__version__", "apply"]

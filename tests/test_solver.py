@@ -2,36 +2,17 @@
 
 from __future__ import annotations
 
-import itertools
-
 import pytest
 import torch
 
 from conftest import small_spec
 from monet_cli.core.segments import SegmentModel
-from monet_cli.core.simulate import Plan, simulate
+from monet_cli.core.simulate import simulate
+from monet_cli.core.solver.enumerate import all_plans
 from monet_cli.core.solver.search import Planner
 from monet_cli.profiler.run import profile_model
 
 CPU = torch.device("cpu")
-
-
-def all_plans(model: SegmentModel) -> list[Plan]:
-    """Every schedule the runtime can execute: non-nested segments, any kept subset."""
-    segments = sorted(model.segments)
-    families: list[list[int]] = [[]]
-    for call in segments:
-        families += [f + [call] for f in families if all(not model.overlaps(call, o) for o in f)]
-    plans = []
-    for family in families:
-        keep_choices = [
-            [frozenset(c) for r in range(len(model.segments[s].candidates) + 1)
-             for c in itertools.combinations(model.segments[s].candidates, r)]
-            for s in family
-        ]
-        for kept in itertools.product(*keep_choices):
-            plans.append(dict(zip(family, kept)))
-    return plans
 
 
 @pytest.fixture(scope="module")

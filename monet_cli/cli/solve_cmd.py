@@ -96,6 +96,16 @@ _KIND_NAMES = {
 }
 
 
+def _show(status, message: str) -> None:
+    """Incumbents: a live status line on a terminal, plain lines in CI logs."""
+    from monet_cli.cli.render import stderr
+
+    if stderr.is_terminal:
+        status.update(f"solving: {message}")
+    else:
+        stderr.print(f"solve: {message}", highlight=False)
+
+
 def summary(schedule: Schedule, path: Path) -> dict[str, Any]:
     return {
         "schedule": str(path),
@@ -136,7 +146,7 @@ def run(args: SolveArgs) -> None:
     with stderr.status("solving ...") as status:
         schedule, _ = solve_profile(
             profile, profile_path, args.budget, time_limit=args.time_limit, workers=workers, seed=args.seed,
-            report=lambda message: status.update(f"solving: {message}"),
+            report=lambda message: _show(status, message),
         )
     save_schedule(schedule, output)
     if args.json_output:

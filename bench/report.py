@@ -37,16 +37,16 @@ def _gap(x: float | None) -> str:
 
 def points_table(result: dict[str, Any]) -> str:
     lines = [
-        "| method | peak MiB | x less total | activations MiB | x less activations | step ms | overhead | predicted MiB | prediction error | solve s | status | gap |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| method | peak MiB | x less total | activations MiB | x less activations | step ms | overhead | predicted overhead | predicted MiB | prediction error | solve s | status | gap |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for p in result["points"]:
         if "error" in p:
-            lines.append(f"| {p['method']} | failed: {p['error']} |" + " |" * 10)
+            lines.append(f"| {p['method']} | failed: {p['error']} |" + " |" * 11)
             continue
         lines.append(
             f"| {p['method']} | {mib(p['peak_bytes'])} | {p['total_ratio']:.2f} | {mib(p['activation_bytes'])} | "
-            f"{p['activation_ratio']:.2f} | {p['step_ms']:.1f} | {pct(p['overhead'])} | "
+            f"{p['activation_ratio']:.2f} | {p['step_ms']:.1f} | {pct(p['overhead'])} | {pct(p.get('predicted_overhead'))} | "
             f"{mib(p.get('predicted_peak_bytes'))} | {pct(p.get('prediction_error'))} | "
             f"{_num(p.get('solve_time_s'))} | {p.get('status', '-')} | {_gap(p.get('gap'))} |"
         )

@@ -72,16 +72,21 @@ def monet_points(profile: Profile, fractions: list[int], time_limit: float, work
     import ortools
 
     points = []
-    for pct in fractions:
-        budget = profile.baseline.peak_bytes * pct // 100
+    budgets = [(f"{pct}%", profile.baseline.peak_bytes * pct // 100) for pct in fractions]
+    while budgets:
+        spec, budget = budgets.pop(0)
         outcome = planner.solve(budget, time_limit_s=time_limit, workers=workers, seed=0)
-        log(f"monet {pct}%: {outcome.status} in {outcome.time_s:.2f}s")
+        log(f"monet {spec}: {outcome.status} in {outcome.time_s:.2f}s")
         if outcome.plan is None:
-            break
+            if spec != "min":  # end the curve at the smallest peak any schedule reaches
+                lowest = planner.minimum_peak(time_limit_s=time_limit, workers=workers, seed=0).peak_bytes
+                if not points or lowest < points[-1][1]["budget_bytes"]:
+                    budgets = [("min", lowest)]
+            continue
         info = SolverInfo(method=outcome.method, status=outcome.status, objective=outcome.objective_ms,
                           bound=outcome.bound_ms, gap=outcome.gap, time_s=outcome.time_s, workers=workers, seed=0,
                           time_limit_s=time_limit, ortools=ortools.__version__)
-        schedule = build_schedule(profile, outcome.plan, budget_bytes=budget, budget_spec=f"{pct}%", solver=info,
+        schedule = build_schedule(profile, outcome.plan, budget_bytes=budget, budget_spec=spec, solver=info,
                                   profile_sha256="", model=planner.model)
         points.append((schedule, {
             "budget_bytes": budget, "predicted_peak_bytes": schedule.predicted.peak_bytes,

@@ -18,7 +18,12 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+    noop_context_fn,
+)
 
 from monet_cli.core.schedule import Schedule, load_schedule
 from monet_cli.errors import FingerprintError
@@ -90,7 +95,9 @@ def _keep_policy(keep: frozenset[tuple[str, int]]) -> Callable[[], Any]:
 
 def _wrap_forward(module: nn.Module, keep: frozenset[tuple[str, int]], marker: _MachineryMarker) -> None:
     original = module.forward
-    context_fn = _keep_policy(keep)
+    # Keeping nothing is plain checkpointing: skip the selective policy's dispatch modes,
+    # which cost Python time on every op of the segment, in forward and in recompute.
+    context_fn = _keep_policy(keep) if keep else noop_context_fn
 
     # Recompute calls ``original`` directly, not through ``module(...)``, so a BatchNorm
     # that is itself the segment gets its guard here rather than from module hooks.

@@ -205,3 +205,18 @@ def test_describe_bytes(n: int, expected: str) -> None:
 def test_round_trip_through_describe() -> None:
     budget = parse_budget("60%", baseline_peak_bytes=8 * GiB)
     assert describe_bytes(budget) == f"4.80 GiB ({budget} bytes)"
+
+
+def test_core_imports_no_torch_typer_or_rich():
+    """The pure core must load without torch, typer or rich (checked in a fresh interpreter)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, pkgutil, importlib, monet_cli.core as c\n"
+        "for m in pkgutil.walk_packages(c.__path__, 'monet_cli.core.'): importlib.import_module(m.name)\n"
+        "bad = [n for n in ('torch', 'typer', 'rich') if n in sys.modules]\n"
+        "print(bad); sys.exit(1 if bad else 0)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr

@@ -72,27 +72,17 @@ def _loads_cleanly(loader, data) -> None:
         assert message.startswith("fuzz.yaml: ") and "\n" not in message
 
 
+@pytest.mark.parametrize("which", ["profile", "schedule"])
 @SETTINGS
 @given(data=st.data())
-def test_mutated_profiles(files, data):
-    _, profile_data, _ = files
-    paths = list(_paths(profile_data))
-    path = data.draw(st.sampled_from(paths))
+def test_mutated_files(files, which, data):
+    _, profile_data, schedule_data = files
+    original, loader = (profile_data, profile_from_data) if which == "profile" else (schedule_data, schedule_from_data)
+    path = data.draw(st.sampled_from(list(_paths(original))))
     action = data.draw(st.sampled_from(["delete", "rename", "replace"]))
-    mutated = _mutate(profile_data, path, action, data.draw(SCALARS))
-    _loads_cleanly(profile_from_data, mutated) if isinstance(mutated, dict) else None
-
-
-@SETTINGS
-@given(data=st.data())
-def test_mutated_schedules(files, data):
-    _, _, schedule_data = files
-    paths = list(_paths(schedule_data))
-    path = data.draw(st.sampled_from(paths))
-    action = data.draw(st.sampled_from(["delete", "rename", "replace"]))
-    mutated = _mutate(schedule_data, path, action, data.draw(SCALARS))
+    mutated = _mutate(original, path, action, data.draw(SCALARS))
     if isinstance(mutated, dict):
-        _loads_cleanly(schedule_from_data, mutated)
+        _loads_cleanly(loader, mutated)
 
 
 @SETTINGS

@@ -33,9 +33,8 @@ def to_data(value: Any) -> Any:
         for field in dataclasses.fields(value):
             mapping[field.name] = to_data(getattr(value, field.name))
         return mapping
-    if isinstance(value, tuple) and all(not isinstance(v, (dict, tuple, list)) for v in value):
-        if not any(dataclasses.is_dataclass(v) for v in value):
-            return tuple(value)  # scalar tuples stay inline
+    if isinstance(value, tuple) and all(isinstance(v, (int, float, str, bool)) for v in value):
+        return tuple(v if not isinstance(v, str) else str(v) for v in value)  # scalar tuples stay inline
     if isinstance(value, (list, tuple)):
         return [to_data(v) for v in value]
     if isinstance(value, str):

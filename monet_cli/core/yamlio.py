@@ -9,7 +9,7 @@ from typing import Any
 
 import yaml
 
-from monet_cli.errors import FileFormatError, OutputError
+from monet_cli.errors import FileFormatError, OutputError, UsageError
 
 # libyaml makes loading a large profile ~10x faster; fall back to pure Python when absent.
 _Loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
@@ -46,7 +46,7 @@ def load_yaml_file(path: Path) -> dict[str, Any]:
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
-        raise FileFormatError(f"{path}: file not found") from None
+        raise UsageError(f"{path}: file not found") from None  # a typo, not a corrupt file
     except (OSError, UnicodeDecodeError) as err:
         raise FileFormatError(f"{path}: cannot read: {err}") from None
     try:

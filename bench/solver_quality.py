@@ -48,7 +48,7 @@ from monet_cli.core.segments import SegmentModel  # noqa: E402
 from monet_cli.core.solver.enumerate import all_plans  # noqa: E402
 from monet_cli.core.simulate import Plan, simulate  # noqa: E402
 from monet_cli.core.solver import search  # noqa: E402
-from monet_cli.core.solver.cpsat import add_hint, build_model, recompute_costs  # noqa: E402
+from monet_cli.core.solver.cpsat import add_hint, build_model, objective_us, step_costs  # noqa: E402
 from monet_cli.core.solver.heuristics import best_heuristic  # noqa: E402
 from monet_cli.core.solver.search import Planner  # noqa: E402
 from monet_cli.profiler.run import profile_model  # noqa: E402
@@ -146,21 +146,16 @@ def model_shape(factory: str, kwargs: dict[str, Any]) -> dict[str, Any]:
 # -- brute force ----------------------------------------------------------------------
 
 
-def objective_us(plan: Plan, seg_cost: dict[int, int], keep_saving: dict[tuple[int, int], int]) -> int:
-    """The CP-SAT objective of ``plan``: whole microseconds, as build_model writes it."""
-    return sum(seg_cost[c] - sum(keep_saving[(c, i)] for i in kept) for c, kept in plan.items())
-
-
 def brute_force_case(case: Case, *, time_limit_s: float, workers: int, log: Callable[[str], None]) -> dict[str, Any]:
     profile, profile_s = profile_case(case.factory, case.kwargs)
     model = SegmentModel(profile)
     start = time.perf_counter()
     plans = all_plans(model)
-    seg_cost, keep_saving = recompute_costs(model)
+    costs = step_costs(model)
     scored = []
     for plan in plans:
         result = simulate(profile, plan, model=model)
-        scored.append((result.peak_bytes, result.recompute_ms, objective_us(plan, seg_cost, keep_saving)))
+        scored.append((result.peak_bytes, result.added_ms, objective_us(costs, plan)))
     enumerate_s = time.perf_counter() - start
     lowest = min(peak for peak, _, _ in scored)
     highest = profile.baseline.peak_bytes
@@ -172,8 +167,8 @@ def brute_force_case(case: Case, *, time_limit_s: float, workers: int, log: Call
         best_ms = min(ms for ms, _ in fitting)
         best_us = min(us for _, us in fitting)
         outcome = planner.solve(budget, time_limit_s=time_limit_s, workers=workers, seed=0)
-        solver_ms = outcome.result.recompute_ms if outcome.result is not None else None
-        solver_us = objective_us(outcome.plan, seg_cost, keep_saving) if outcome.plan is not None else None
+        solver_ms = outcome.result.added_ms if outcome.result is not None else None
+        solver_us = objective_us(costs, outcome.plan) if outcome.plan is not None else None
         fits = outcome.result is not None and outcome.result.peak_bytes <= budget
         match = solver_ms is not None and abs(solver_ms - best_ms) <= TOL_MS and outcome.status == "OPTIMAL" and fits
         rows.append({
@@ -319,7 +314,7 @@ def scale_case(target_ops: int, *, time_limit_s: float, min_peak_limit_s: float,
     min_peak_s = time.perf_counter() - start
     baseline = profile.baseline.peak_bytes
     # What CP-SAT's bound is with no reasoning at all: every keep saving taken, no segment paid.
-    trivial_bound_ms = -sum(recompute_costs(model)[1].values()) / 1000
+    trivial_bound_ms = -sum(step_costs(model).keep_saving.values()) / 1000
     log(f"  chain n_blocks={n_blocks}: {len(profile.ops)} forward ops (target {target_ops}), "
         f"{len(model.segments)} segments, {len(planner.rows)} memory rows; min peak {minimum.peak_bytes} "
         f"of baseline {baseline} ({min_peak_s:.1f}s)")
@@ -327,7 +322,7 @@ def scale_case(target_ops: int, *, time_limit_s: float, min_peak_limit_s: float,
     for frac in SCALE_FRACTIONS:
         budget = int(minimum.peak_bytes + frac * (baseline - minimum.peak_bytes))
         _, heuristic, heuristic_fits = best_heuristic(model, budget)
-        heuristic_ms = simulate(profile, heuristic, model=model).recompute_ms if heuristic_fits else None
+        heuristic_ms = simulate(profile, heuristic, model=model).added_ms if heuristic_fits else None
         events: list[dict[str, Any]] = []
         messages: list[tuple[float, str]] = []
         load = load_average()
@@ -373,7 +368,7 @@ def scale_case(target_ops: int, *, time_limit_s: float, min_peak_limit_s: float,
             else round((outcome.objective_ms - ref_ms) / ref_ms if ref_ms > 0 else float(outcome.objective_ms > 0), 4),
             "to_within_1pct_of_reference_s": to_ref,
             "gap": None if outcome.gap is None else round(outcome.gap, 4),
-            "recompute_ms": None if outcome.result is None else round(outcome.result.recompute_ms, 4),
+            "recompute_ms": None if outcome.result is None else round(outcome.result.added_ms, 4),
             "peak_bytes": None if outcome.result is None else outcome.result.peak_bytes,
             "fits": fits,
             "segments_chosen": 0 if outcome.plan is None else len(outcome.plan),

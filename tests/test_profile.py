@@ -38,7 +38,8 @@ def test_profile_keys_and_types(resnet18_profile, tmp_path):
     save_profile(resnet18_profile, path)
     data = load_yaml_file(path)
     assert list(data)[:10] == [
-        "schema_version", "kind", "model", "device", "env", "fingerprint", "baseline", "memory", "created_at", "ops",
+        "schema_version", "kind", "model", "device", "env", "fingerprint", "baseline", "memory", "overheads",
+        "created_at",
     ]
     assert data["schema_version"] == 1 and data["kind"] == "monet.profile"
     assert isinstance(data["baseline"]["peak_bytes"], int)

@@ -109,6 +109,16 @@ class MemorySummary:
     """Bytes autograd keeps for backward once the loss is computed (parameters excluded)."""
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Overheads:
+    """Time the checkpoint machinery itself costs on this device, measured by ``monet profile``."""
+
+    segment_ms: float = 0.0
+    """One checkpointed call, forward and backward, beyond re-running its ops."""
+    policy_op_ms: float = 0.0
+    """Each op inside a segment with a selective keep policy (its dispatch modes run in forward and recompute)."""
+
+
 @flow_row
 @dataclass(frozen=True, kw_only=True, slots=True)
 class OpRecord:
@@ -196,6 +206,7 @@ class Profile:
     fingerprint: Fingerprint
     baseline: Baseline
     memory: MemorySummary
+    overheads: Overheads = field(default_factory=Overheads)
     created_at: str
     ops: tuple[OpRecord, ...]
     backward: tuple[BackwardOp, ...]

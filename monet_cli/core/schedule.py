@@ -52,6 +52,9 @@ class SegmentDecision:
     first_op: int
     end_op: int
     recompute_ms: float
+    """Profiled time of the ops this segment re-runs in backward."""
+    overhead_ms: float = 0.0
+    """Measured checkpoint machinery time (per call, plus per op when it keeps ops)."""
     decisions: tuple[OpDecision, ...] = ()
     """One entry per op whose output autograd saves; other ops are simply re-run."""
 
@@ -132,7 +135,7 @@ def consistency_problem(schedule: Schedule) -> str | None:
         if s.first_op >= s.end_op or any(not s.first_op <= d.index < s.end_op for d in s.decisions):
             return f"segments.{s.module}: decisions outside the segment's ops {s.first_op}..{s.end_op - 1}"
     pred = schedule.predicted
-    expected_ms = pred.baseline_step_ms + sum(s.recompute_ms for s in schedule.segments)
+    expected_ms = pred.baseline_step_ms + sum(s.recompute_ms + s.overhead_ms for s in schedule.segments)
     if abs(expected_ms - pred.step_ms) > 1e-3 * (1 + len(schedule.segments)):
         return f"predicted.step_ms: {pred.step_ms} does not match the segments' recompute time ({expected_ms:.4f})"
     if pred.peak_bytes > schedule.budget_bytes:

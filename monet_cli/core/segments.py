@@ -131,6 +131,17 @@ class SegmentModel:
         ops = self.profile.ops
         return sum((ops[i].time_ms for i in range(seg.first_op, seg.stop) if i not in kept), 0.0)
 
+    def overhead_ms(self, call_index: int, kept: frozenset[int] = frozenset()) -> float:
+        """Checkpoint machinery time of a segment; the selective policy only runs when it keeps ops."""
+        seg = self.segments[call_index]
+        costs = self.profile.overheads
+        policy = costs.policy_op_ms * 2 * (seg.end_op - seg.first_op) if kept else 0.0
+        return costs.segment_ms + policy
+
+    def added_ms(self, call_index: int, kept: frozenset[int] = frozenset()) -> float:
+        """What checkpointing the segment adds to the step: re-run ops plus machinery."""
+        return self.recompute_ms(call_index, kept) + self.overhead_ms(call_index, kept)
+
     def occurrence(self, call_index: int, op_index: int) -> int:
         """Index of the op among same-overload ops of the segment (the SAC policy key)."""
         seg = self.segments[call_index]

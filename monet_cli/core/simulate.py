@@ -39,6 +39,9 @@ class SimResult:
     peak_pos: int
     step_ms: float
     recompute_ms: float
+    """Profiled time of the ops the schedule re-runs."""
+    added_ms: float
+    """recompute_ms plus the checkpoint machinery: step_ms - baseline step_ms."""
     timeline: tuple[tuple[int, int], ...] = ()
     """(position, live bytes after that position's allocations), if requested."""
 
@@ -58,12 +61,14 @@ def burst_key(model: SegmentModel, call: int, op: int, sub: int) -> Key:
 def simulate(profile: Profile, plan: Plan, *, model: SegmentModel | None = None, timeline: bool = False) -> SimResult:
     model = model or SegmentModel(profile)
     peak, peak_key, points = _sweep(memory_events(model, plan), timeline)
-    recompute_ms = sum(model.recompute_ms(call, kept) for call, kept in plan.items())
+    recompute_ms = sum((model.recompute_ms(call, kept) for call, kept in plan.items()), 0.0)
+    added_ms = sum((model.added_ms(call, kept) for call, kept in plan.items()), 0.0)
     return SimResult(
         peak_bytes=peak,
         peak_pos=max(peak_key[0], 0),
-        step_ms=profile.baseline.step_ms + recompute_ms,
+        step_ms=profile.baseline.step_ms + added_ms,
         recompute_ms=recompute_ms,
+        added_ms=added_ms,
         timeline=points,
     )
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as _dt
+from dataclasses import replace
 import os
 import platform
 from collections.abc import Callable
@@ -30,6 +31,7 @@ from monet_cli.core.profile import (
 )
 from monet_cli.errors import ModelError
 from monet_cli.profiler.capture import LifetimeRecorder, OpTimer, StepRecorder, Timings
+from monet_cli.profiler.overheads import measure_overheads
 from monet_cli.runtime.meter import measure_step, preexisting_tensors
 from monet_cli.workload.step import Workload, build_workload, run_checked
 
@@ -42,7 +44,7 @@ def _no_progress(label: str) -> None:
 
 def profile_steps(steps: int) -> int:
     """How many progress ticks ``profile_model`` reports."""
-    return 4 + 2 * steps
+    return 5 + 2 * steps
 
 
 def profile_model(
@@ -60,13 +62,16 @@ def profile_model(
     progress("replaying activation lifetimes")
     lifetimes = LifetimeRecorder()
     run_checked(lambda: lifetimes.record_forward(workload), "lifetime pass")
+    progress("measuring checkpoint overheads")
+    overheads = measure_overheads(device)
     timings = Timings()
     for i in range(steps):
         progress(f"timing ops (step {i + 1}/{steps})")
         timings.op_ms.append(run_checked(lambda: _timed_ops(workload, recorder), "timed step"))
         progress(f"timing steps (step {i + 1}/{steps})")
         timings.step_ms.append(run_checked(lambda: workload.timed_step(), "timed step"))
-    return build_profile(workload, recorder, lifetimes, timings, measurement.peak_bytes, measurement.meter)
+    profile = build_profile(workload, recorder, lifetimes, timings, measurement.peak_bytes, measurement.meter)
+    return replace(profile, overheads=overheads)
 
 
 def _measure_peak(workload: Workload):

@@ -42,19 +42,41 @@ class MemoryRow:
 class Variables:
     seg: dict[int, cp_model.IntVar] = field(default_factory=dict)
     keep: dict[tuple[int, int], cp_model.IntVar] = field(default_factory=dict)
+    policy: dict[int, cp_model.IntVar] = field(default_factory=dict)
+    """policy[c]: segment c keeps something, so its selective policy runs (and costs time)."""
     peak: cp_model.IntVar | None = None
 
 
-def recompute_costs(model: SegmentModel) -> tuple[dict[int, int], dict[tuple[int, int], int]]:
-    """Objective coefficients in microseconds: a segment's full recompute, minus each kept op."""
-    seg_cost, keep_saving = {}, {}
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Costs:
+    """Objective coefficients in whole microseconds."""
+
+    seg: dict[int, int]
+    """A segment with nothing kept: all its ops re-run, plus the checkpoint call itself."""
+    keep_saving: dict[tuple[int, int], int]
+    """Keeping op i saves its re-run."""
+    policy: dict[int, int]
+    """Keeping anything in a segment adds the selective policy's per-op dispatch cost."""
+
+
+def step_costs(model: SegmentModel) -> Costs:
+    seg, keep_saving, policy = {}, {}, {}
     ops = model.profile.ops
-    for c, seg in model.segments.items():
-        seg_cost[c] = round(model.recompute_ms(c) * US_PER_MS)
-        for i in seg.candidates:
-            saved = ops[i].time_ms if seg.burst_pos is not None and i < seg.stop else 0.0
+    for c, info in model.segments.items():
+        seg[c] = round(model.added_ms(c) * US_PER_MS)
+        policy[c] = round((model.overhead_ms(c, frozenset(info.candidates[:1])) - model.overhead_ms(c)) * US_PER_MS)
+        for i in info.candidates:
+            saved = ops[i].time_ms if info.burst_pos is not None and i < info.stop else 0.0
             keep_saving[(c, i)] = round(saved * US_PER_MS)
-    return seg_cost, keep_saving
+    return Costs(seg=seg, keep_saving=keep_saving, policy=policy)
+
+
+def objective_us(costs: Costs, plan: Plan) -> int:
+    """The objective of ``plan`` exactly as ``build_model`` writes it."""
+    return sum(
+        costs.seg[c] + (costs.policy[c] if kept else 0) - sum(costs.keep_saving[(c, i)] for i in kept)
+        for c, kept in plan.items()
+    )
 
 
 def memory_rows(linear: LinearMemory) -> list[MemoryRow]:
@@ -95,9 +117,11 @@ def build_model(
     v = Variables()
     for c, seg in model.segments.items():
         v.seg[c] = cp.new_bool_var(f"seg[{c}:{seg.fqn}]")
+        v.policy[c] = cp.new_bool_var(f"policy[{c}]")
+        cp.add_implication(v.policy[c], v.seg[c])
         for i in seg.candidates:
             v.keep[(c, i)] = cp.new_bool_var(f"keep[{c},{i}]")
-            cp.add_implication(v.keep[(c, i)], v.seg[c])
+            cp.add_implication(v.keep[(c, i)], v.policy[c])
     _add_no_nesting(cp, model, v)
     top = max((r.base + sum(max(0, x) for x in r.seg_coefs.values()) + sum(max(0, x) for x in r.keep_coefs.values())
                for r in rows), default=0)
@@ -105,11 +129,15 @@ def build_model(
         v.peak = cp.new_int_var(0, max(top, 1), "peak")
     for row in rows:
         _add_memory_row(cp, v, row, budget_bytes)
-    seg_cost, keep_saving = recompute_costs(model)
-    time_us = sum(seg_cost[c] * v.seg[c] for c in v.seg) - sum(keep_saving[k] * v.keep[k] for k in v.keep)
+    costs = step_costs(model)
+    time_us = (
+        sum(costs.seg[c] * v.seg[c] for c in v.seg)
+        + sum(costs.policy[c] * v.policy[c] for c in v.policy)
+        - sum(costs.keep_saving[k] * v.keep[k] for k in v.keep)
+    )
     if min_peak:
-        # Lowest peak first, then the least recompute among the lowest peaks.
-        cp.minimize(v.peak * (1 + sum(seg_cost.values())) + time_us)
+        # Lowest peak first, then the least added time among the lowest peaks.
+        cp.minimize(v.peak * (1 + sum(costs.seg.values()) + sum(costs.policy.values())) + time_us)
     else:
         cp.minimize(time_us)
     return cp, v
@@ -135,6 +163,7 @@ def _add_memory_row(cp: cp_model.CpModel, v: Variables, row: MemoryRow, budget_b
 def add_hint(cp: cp_model.CpModel, v: Variables, plan: Plan) -> None:
     for c, var in v.seg.items():
         cp.add_hint(var, c in plan)
+        cp.add_hint(v.policy[c], bool(plan.get(c)))
     for (c, i), var in v.keep.items():
         cp.add_hint(var, c in plan and i in plan[c])
 

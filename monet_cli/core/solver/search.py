@@ -81,7 +81,7 @@ class Planner:
             add_hint(cp, variables, hint if hint is not None else heuristic)
             cp_result = solve_model(
                 cp, variables, time_limit_s=remaining, workers=workers, seed=seed,
-                on_incumbent=lambda obj, bnd, t: report(f"incumbent {obj / 1000:.2f} ms recompute, bound {bnd / 1000:.2f} ms, {t:.1f}s"),
+                on_incumbent=lambda obj, bnd, t: report(f"incumbent {obj / 1000:.3f} ms added, bound {bnd / 1000:.3f} ms, {t:.1f}s"),
             )
             status = cp_result.status
             if cp_result.plan is None:
@@ -99,7 +99,7 @@ class Planner:
                                  "cp-sat", None, None, start, rounds)
         plan, result = best
         if objective is None:  # CP-SAT did not confirm: keep the heuristic, honestly labelled
-            return self._outcome(plan, result, "FEASIBLE", f"heuristic ({name})", result.recompute_ms, None, start, rounds)
+            return self._outcome(plan, result, "FEASIBLE", f"heuristic ({name})", result.added_ms, None, start, rounds)
         return self._outcome(plan, result, status, "cp-sat", objective / 1000, bound / 1000, start, rounds)
 
     def _add_cuts(self, rows: list[MemoryRow], plan: Plan, budget_bytes: int) -> list[MemoryRow]:

@@ -141,8 +141,8 @@ def analysis(result: dict[str, Any]) -> list[str]:
         gaps = [100 * (p["overhead"] - p["predicted_overhead"]) for p in monet]
         lines.append(f"- measured minus predicted overhead at monet points: {min(gaps):+.1f} to {max(gaps):+.1f} points "
                      f"(mean {sum(gaps) / len(gaps):+.1f}); the prediction counts the profiled time of re-run ops and "
-                     "the checkpoint machinery measured by `monet profile`; the rest is not modelled (re-run ops run "
-                     "colder than in the profile's timed steps, and allocation work)")
+                     "the checkpoint machinery measured by `monet profile`; this remaining gap is measured here and not "
+                     "yet explained by the model")
     runs = base.get("step_ms_all") or []
     if len(runs) > 1:
         spread = 100 * (max(runs) - min(runs)) / statistics.median(runs)

@@ -292,7 +292,9 @@ def estimate(
 
     with user_errors():
         if estimate_cmd.is_profile_file(target):
-            profile = estimate_cmd.load_profile(Path(target))
+            from monet_cli.core.profile import load_profile
+
+            profile = load_profile(Path(target))
         else:
             from monet_cli.cli import profile_cmd
 

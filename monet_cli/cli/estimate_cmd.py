@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from monet_cli.core.profile import Profile, load_profile
+from monet_cli.core.profile import Profile
 from monet_cli.core.segments import SegmentModel
 from monet_cli.core.solver.search import Planner
 from monet_cli.core.units import format_bytes, parse_size

@@ -167,3 +167,27 @@ def test_ctrl_c_leaves_old_file_and_exits_130(tmp_path):
     assert stderr.strip().splitlines()[-1] == "monet: interrupted"
     assert out.read_text() == "old contents\n"
     assert [p.name for p in tmp_path.iterdir()] == ["p.yaml"]
+
+
+def test_ctrl_c_during_a_solve_sweep_leaves_only_complete_files(tmp_path):
+    """Interrupting a long sweep: exit 130, no temp files, every schedule written so far loads."""
+    import shutil
+
+    from monet_cli.core.schedule import load_schedule
+
+    (tmp_path / "configs").mkdir()
+    shutil.copy(ROOT / "configs" / "resnet50.profile.yaml", tmp_path / "configs" / "resnet50.profile.yaml")
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "monet_cli", "solve", "--sweep", "99%:55%:1%", "--workers", "1"],
+        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    time.sleep(8)
+    assert proc.poll() is None, "the sweep ended before the interrupt"
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 130, stderr[-2000:]
+    written = sorted((tmp_path / "schedules").glob("*")) if (tmp_path / "schedules").exists() else []
+    assert all(p.suffix == ".yaml" and not p.name.startswith(".") for p in written), written
+    for path in written:
+        load_schedule(path)

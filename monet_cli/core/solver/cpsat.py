@@ -201,6 +201,9 @@ def solve_model(
     solver.parameters.max_time_in_seconds = max(0.1, time_limit_s)
     solver.parameters.num_workers = workers
     solver.parameters.random_seed = seed
+    # CP-SAT would swallow Ctrl-C and return its incumbent; let Python see it instead, so an
+    # interrupted solve exits 130 and writes nothing.
+    solver.parameters.catch_sigint_signal = False
     # The default LP relaxation leaves the bound far from the optimum on long chains (500 ops:
     # FEASIBLE after 60 s with a large gap); the full linearization proves them in about a second.
     solver.parameters.linearization_level = 2

@@ -33,11 +33,9 @@ sys.path.insert(0, str(ROOT))
 from bench import methods as M  # noqa: E402
 from monet_cli.core.plan import build_schedule  # noqa: E402
 from monet_cli.core.profile import InputSpec, Profile  # noqa: E402
-from monet_cli.core.schedule import SolverInfo  # noqa: E402
 from monet_cli.core.segments import SegmentModel  # noqa: E402
-from monet_cli.core.solver.search import Planner  # noqa: E402
+from monet_cli.core.solver.search import Planner, solver_info  # noqa: E402
 from monet_cli.profiler.run import env_info, profile_model  # noqa: E402
-from monet_cli.runtime.meter import measure_step, preexisting_tensors  # noqa: E402
 from monet_cli.workload.resolve import Overrides, resolve_model_spec  # noqa: E402
 
 
@@ -69,8 +67,6 @@ def log(message: str) -> None:
 def monet_points(profile: Profile, fractions: list[int], time_limit: float, workers: int) -> list[tuple[Any, dict]]:
     """Solve each budget (percent of the baseline peak) until one is infeasible."""
     planner = Planner(SegmentModel(profile))
-    import ortools
-
     points = []
     budgets = [(f"{pct}%", profile.baseline.peak_bytes * pct // 100) for pct in fractions]
     while budgets:
@@ -83,9 +79,7 @@ def monet_points(profile: Profile, fractions: list[int], time_limit: float, work
                 if not points or lowest < points[-1][1]["budget_bytes"]:
                     budgets = [("min", lowest)]
             continue
-        info = SolverInfo(method=outcome.method, status=outcome.status, objective=outcome.objective_ms,
-                          bound=outcome.bound_ms, gap=outcome.gap, time_s=outcome.time_s, workers=workers, seed=0,
-                          time_limit_s=time_limit, ortools=ortools.__version__)
+        info = solver_info(outcome, workers=workers, seed=0, time_limit_s=time_limit)
         schedule = build_schedule(profile, outcome.plan, budget_bytes=budget, budget_spec=spec, solver=info,
                                   profile_sha256="", model=planner.model)
         points.append((schedule, {
@@ -98,10 +92,7 @@ def monet_points(profile: Profile, fractions: list[int], time_limit: float, work
 
 
 def live_peak(method: M.Method) -> int:
-    w = method.workload
-    w.zero_grad()
-    pre = preexisting_tensors(w.model, w.optimizer, w.data_tensors())
-    return measure_step(w.step, device=w.device, preexisting=pre).peak_bytes
+    return method.workload.measure_peak().peak_bytes
 
 
 def measure_eager(methods: list[M.Method], repeats: int) -> dict[str, dict[str, Any]]:

@@ -10,9 +10,9 @@ from typing import Any
 
 from monet_cli.core.plan import build_schedule
 from monet_cli.core.profile import Profile, load_profile
-from monet_cli.core.schedule import Schedule, SolverInfo, file_sha256, save_schedule
+from monet_cli.core.schedule import Schedule, file_sha256, save_schedule
 from monet_cli.core.segments import SegmentModel
-from monet_cli.core.solver.search import Planner, SolveOutcome
+from monet_cli.core.solver.search import Planner, SolveOutcome, solver_info
 from monet_cli.core.units import describe_bytes, format_bytes, parse_budget, parse_size
 from monet_cli.core.yamlio import check_writable
 from monet_cli.errors import InfeasibleError, NoSolutionError, UsageError
@@ -60,16 +60,10 @@ def solve_profile(
     outcome = planner.solve(budget, time_limit_s=time_limit, workers=workers, seed=seed, report=report)
     if outcome.plan is None:
         _explain_failure(planner, outcome, budget, time_limit, workers, seed)
-    import ortools
-
     schedule = build_schedule(
         profile, outcome.plan, budget_bytes=budget, budget_spec=budget_spec, model=model,
         profile_sha256=file_sha256(profile_path),
-        solver=SolverInfo(
-            method=outcome.method, status=outcome.status, objective=outcome.objective_ms, bound=outcome.bound_ms,
-            gap=outcome.gap, time_s=outcome.time_s, workers=workers, seed=seed, time_limit_s=time_limit,
-            ortools=ortools.__version__,
-        ),
+        solver=solver_info(outcome, workers=workers, seed=seed, time_limit_s=time_limit),
     )
     if schedule.predicted.peak_bytes > budget:  # the simulator is the judge; never write a plan over budget
         raise AssertionError("internal error: solver returned a plan the simulator puts over budget")
@@ -127,22 +121,26 @@ def summary(schedule: Schedule, path: Path) -> dict[str, Any]:
     }
 
 
-def run(args: SolveArgs) -> None:
-    from rich.console import Console
-
-    from monet_cli.cli.render import print_json, schedule_table, stderr
-
+def _inputs(args: SolveArgs) -> tuple[Path, Profile, int]:
+    """Checked solver options, the profile (default: the newest) and the worker count."""
     if args.time_limit <= 0:
         raise UsageError(f"--time-limit must be positive, got {args.time_limit:g}")
     if args.workers is not None and args.workers < 1:
         raise UsageError(f"--workers must be at least 1, got {args.workers}")
     profile_path = args.profile or newest("configs/*.profile.yaml", "profile")
-    profile = load_profile(profile_path)
+    return profile_path, load_profile(profile_path), args.workers or default_workers()
+
+
+def run(args: SolveArgs) -> None:
+    from rich.console import Console
+
+    from monet_cli.cli.render import print_json, schedule_table, stderr
+
+    profile_path, profile, workers = _inputs(args)
     budget = parse_budget(args.budget, baseline_peak_bytes=profile.baseline.peak_bytes)
     stderr.print(f"budget: {args.budget} = {describe_bytes(budget)}; baseline peak {format_bytes(profile.baseline.peak_bytes)}")
     output = args.output or Path("schedules") / schedule_name(profile_path, args.budget)
     check_writable(output)
-    workers = args.workers or default_workers()
     with stderr.status("solving ...") as status:
         schedule, _ = solve_profile(
             profile, profile_path, args.budget, time_limit=args.time_limit, workers=workers, seed=args.seed,
@@ -189,16 +187,10 @@ def run_sweep(args: SolveArgs, sweep: str, plot: Path | None) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    import ortools
-
     from monet_cli.cli.render import print_json, stderr
 
-    if args.time_limit <= 0:
-        raise UsageError(f"--time-limit must be positive, got {args.time_limit:g}")
-    profile_path = args.profile or newest("configs/*.profile.yaml", "profile")
-    profile = load_profile(profile_path)
+    profile_path, profile, workers = _inputs(args)
     budgets = sweep_budgets(sweep, profile.baseline.peak_bytes)
-    workers = args.workers or default_workers()
     model = SegmentModel(profile)
     planner = Planner(model)
     rows, hint = [], None
@@ -214,9 +206,7 @@ def run_sweep(args: SolveArgs, sweep: str, plot: Path | None) -> None:
             schedule = build_schedule(
                 profile, outcome.plan, budget_bytes=budget, budget_spec=spec, model=model,
                 profile_sha256=file_sha256(profile_path),
-                solver=SolverInfo(method=outcome.method, status=outcome.status, objective=outcome.objective_ms,
-                                  bound=outcome.bound_ms, gap=outcome.gap, time_s=outcome.time_s, workers=workers,
-                                  seed=args.seed, time_limit_s=args.time_limit, ortools=ortools.__version__),
+                solver=solver_info(outcome, workers=workers, seed=args.seed, time_limit_s=args.time_limit),
             )
             path = Path("schedules") / schedule_name(profile_path, spec)
             save_schedule(schedule, path)

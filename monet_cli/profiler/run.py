@@ -32,7 +32,6 @@ from monet_cli.core.profile import (
 from monet_cli.errors import ModelError
 from monet_cli.profiler.capture import LifetimeRecorder, OpTimer, StepRecorder, Timings
 from monet_cli.profiler.overheads import measure_overheads
-from monet_cli.runtime.meter import measure_step, preexisting_tensors
 from monet_cli.workload.step import Workload, build_workload, run_checked
 
 Progress = Callable[[str], None]
@@ -55,7 +54,7 @@ def profile_model(
     progress("warm-up step")
     run_checked(lambda: workload.timed_step(), "warm-up step")
     progress("measuring peak memory")
-    measurement = _measure_peak(workload)
+    measurement = run_checked(workload.measure_peak, "measuring step")
     progress("recording ops and memory")
     recorder = StepRecorder(workload)
     run_checked(recorder.record_step, "recording step")
@@ -72,14 +71,6 @@ def profile_model(
         timings.step_ms.append(run_checked(lambda: workload.timed_step(), "timed step"))
     profile = build_profile(workload, recorder, lifetimes, timings, measurement.peak_bytes, measurement.meter)
     return replace(profile, overheads=overheads)
-
-
-def _measure_peak(workload: Workload):
-    workload.zero_grad()
-    pre = preexisting_tensors(workload.model, workload.optimizer, workload.data_tensors())
-    return run_checked(
-        lambda: measure_step(workload.step, device=workload.device, preexisting=pre), "measuring step"
-    )
 
 
 def _timed_ops(workload: Workload, recorder: StepRecorder) -> list[float]:

@@ -15,7 +15,6 @@ import torch
 
 from monet_cli.core.schedule import Schedule
 from monet_cli.runtime.executor import apply_schedule
-from monet_cli.runtime.meter import measure_step, preexisting_tensors
 from monet_cli.workload.step import Workload, build_workload, run_checked
 
 CHECK_SEED = 1234
@@ -55,13 +54,6 @@ class ApplyReport:
     @property
     def prediction_error(self) -> float:
         return (self.predicted_peak_bytes - self.measured_peak_bytes) / max(1, self.measured_peak_bytes)
-
-
-def _measured_peak(workload: Workload, seed: int, timeline: bool = False):
-    torch.manual_seed(seed)
-    workload.zero_grad()
-    pre = preexisting_tensors(workload.model, workload.optimizer, workload.data_tensors())
-    return measure_step(workload.step, device=workload.device, preexisting=pre, timeline=timeline)
 
 
 def _first_step(workload: Workload) -> dict[str, dict[str, torch.Tensor]]:
@@ -117,8 +109,8 @@ def run_apply(
     first_sched = run_checked(lambda: _first_step(scheduled), "scheduled step")
     result = compare(first_base, first_sched) if check else None
     progress("measuring peak memory")
-    base_peak = run_checked(lambda: _measured_peak(baseline, CHECK_SEED + 1, timeline), "baseline step")
-    sched_peak = run_checked(lambda: _measured_peak(scheduled, CHECK_SEED + 1, timeline), "scheduled step")
+    base_peak = run_checked(lambda: baseline.measure_peak(CHECK_SEED + 1, timeline=timeline), "baseline step")
+    sched_peak = run_checked(lambda: scheduled.measure_peak(CHECK_SEED + 1, timeline=timeline), "scheduled step")
     base_ms, sched_ms = [], []
     for i in range(steps):
         progress(f"timing steps ({i + 1}/{steps})")

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from monet_cli.core.profile import LOSS_MODULE, InputSpec, ModelSpec
+from monet_cli.runtime.meter import Measurement, measure_step, preexisting_tensors
 from monet_cli.errors import DeviceError, ModelError, MonetError, UsageError
 from monet_cli.workload.resolve import build_model
 
@@ -208,6 +209,14 @@ class Workload:
         self.step()
         self.sync()
         return (time.perf_counter() - start) * 1000.0
+
+    def measure_peak(self, seed: int | None = None, *, timeline: bool = False) -> Measurement:
+        """One step (grads cleared first) under the device's memory meter."""
+        if seed is not None:
+            torch.manual_seed(seed)
+        self.zero_grad()
+        pre = preexisting_tensors(self.model, self.optimizer, self.data_tensors())
+        return measure_step(self.step, device=self.device, preexisting=pre, timeline=timeline)
 
     def sync(self) -> None:
         if self.device.type == "cuda":

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from monet_cli.core.schedule import SolverInfo
 from monet_cli.core.segments import SegmentModel
 from monet_cli.core.simulate import Plan, SimResult, simulate
 from monet_cli.core.solver.cpsat import MemoryRow, add_hint, build_model, memory_rows, row_at, solve_model
@@ -44,6 +45,17 @@ class MinimumPeak:
     peak_bytes: int
     plan: Plan
     breakdown: dict[str, int]
+
+
+def solver_info(outcome: SolveOutcome, *, workers: int, seed: int, time_limit_s: float) -> SolverInfo:
+    """What a schedule file records about the solve that produced it."""
+    import ortools
+
+    return SolverInfo(
+        method=outcome.method, status=outcome.status, objective=outcome.objective_ms, bound=outcome.bound_ms,
+        gap=outcome.gap, time_s=outcome.time_s, workers=workers, seed=seed, time_limit_s=time_limit_s,
+        ortools=ortools.__version__,
+    )
 
 
 def _quiet(message: str) -> None:

@@ -27,6 +27,23 @@ app = typer.Typer(
 )
 
 
+# Options shared by the commands that build a training step (profile, estimate).
+BatchSize = Annotated[Optional[int], typer.Option("--batch-size", "-b", help="Samples per step.")]
+InputShape = Annotated[
+    Optional[list[str]],
+    typer.Option("--input-shape", "-i", help="Per-sample input shape, e.g. 3,128,128; repeat for several inputs."),
+]
+InputDtype = Annotated[
+    Optional[list[str]],
+    typer.Option("--input-dtype", help="Input dtype (float32, bfloat16, int64, ...); one, or one per input."),
+]
+InputRange = Annotated[
+    Optional[str], typer.Option("--input-range", help="LOW:HIGH for integer inputs such as token ids, e.g. 0:50257.")
+]
+Device = Annotated[str, typer.Option(help="auto (CUDA when present), cpu, cuda or cuda:N.")]
+OptimizerName = Annotated[Optional[str], typer.Option(help="sgd (lr 0.01, momentum 0.9), adamw or none. Default: sgd.")]
+
+
 def _version(value: bool) -> None:
     if value:
         typer.echo(f"monet {__version__}")
@@ -57,25 +74,15 @@ def _root(
 )
 def profile(
     model: Annotated[str, typer.Argument(help="Run config, torchvision name or package.module:function.")],
-    batch_size: Annotated[Optional[int], typer.Option("--batch-size", "-b", help="Samples per step.")] = None,
-    input_shape: Annotated[
-        Optional[list[str]],
-        typer.Option("--input-shape", "-i", help="Per-sample input shape, e.g. 3,128,128; repeat for several inputs."),
-    ] = None,
-    input_dtype: Annotated[
-        Optional[list[str]],
-        typer.Option("--input-dtype", help="Input dtype (float32, bfloat16, int64, ...); one, or one per input."),
-    ] = None,
-    input_range: Annotated[
-        Optional[str], typer.Option("--input-range", help="LOW:HIGH for integer inputs such as token ids, e.g. 0:50257.")
-    ] = None,
+    batch_size: BatchSize = None,
+    input_shape: InputShape = None,
+    input_dtype: InputDtype = None,
+    input_range: InputRange = None,
     model_arg: Annotated[
         Optional[list[str]], typer.Option("--model-arg", help="KEY=VALUE passed to the model factory; repeatable.")
     ] = None,
-    device: Annotated[str, typer.Option(help="auto (CUDA when present), cpu, cuda or cuda:N.")] = "auto",
-    optimizer: Annotated[
-        Optional[str], typer.Option(help="sgd (lr 0.01, momentum 0.9), adamw or none. Default: sgd.")
-    ] = None,
+    device: Device = "auto",
+    optimizer: OptimizerName = None,
     lr: Annotated[Optional[float], typer.Option(help="Learning rate of the optimizer.")] = None,
     loss: Annotated[
         Optional[str],
@@ -279,12 +286,12 @@ def inspect(
 def estimate(
     target: Annotated[str, typer.Argument(help="A profile file, or a model as for monet profile.")],
     fits: Annotated[Optional[str], typer.Option(help="Memory to fit in, e.g. 8G, 16GiB, or auto.")] = None,
-    batch_size: Annotated[Optional[int], typer.Option("--batch-size", "-b", help="Samples per step.")] = None,
-    input_shape: Annotated[Optional[list[str]], typer.Option("--input-shape", "-i", help="Per-sample input shape.")] = None,
-    input_dtype: Annotated[Optional[list[str]], typer.Option("--input-dtype", help="Input dtype.")] = None,
-    input_range: Annotated[Optional[str], typer.Option("--input-range", help="LOW:HIGH for integer inputs.")] = None,
-    device: Annotated[str, typer.Option(help="auto, cpu, cuda or cuda:N.")] = "auto",
-    optimizer: Annotated[Optional[str], typer.Option(help="sgd, adamw or none.")] = None,
+    batch_size: BatchSize = None,
+    input_shape: InputShape = None,
+    input_dtype: InputDtype = None,
+    input_range: InputRange = None,
+    device: Device = "auto",
+    optimizer: OptimizerName = None,
     json_output: Annotated[bool, typer.Option("--json", help="Print JSON on stdout.")] = False,
 ) -> None:
     from monet_cli.cli import estimate_cmd

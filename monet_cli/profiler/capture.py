@@ -182,6 +182,18 @@ class StepRecorder(LiveStorageMeter):
         )
         self.stack.append(index)
 
+    def _kwargs_hook(self, module: torch.nn.Module, args: object, kwargs: dict) -> None:
+        """Tensors passed by keyword (masks, position embeddings) are inputs too: checkpoint
+        holds them like positional ones. Global hooks do not see keywords, module hooks do."""
+        if self.phase != "forward" or self.finished or not self.stack or not kwargs:
+            return
+        call = self.calls[self.stack[-1]]
+        if call.fqn != self.workload.module_names.get(id(module)):
+            return
+        tensors = [t for t in tree_flatten(kwargs)[0] if isinstance(t, torch.Tensor) and t.device.type != "meta"]
+        self.track_unseen_inputs(tensors)
+        call.inputs = sorted(set(call.inputs) | {self.sid_of(t) for t in tensors})
+
     def _post_hook(self, module: torch.nn.Module, args: object, output: object) -> None:
         if self.phase != "forward" or self.finished or not self.stack:
             return
@@ -231,15 +243,18 @@ class StepRecorder(LiveStorageMeter):
         w.zero_grad()
         for tensor, kind in preexisting_tensors(w.model, w.optimizer, w.data_tensors()):
             self.track(tensor, kind=kind, producer=None)
-        pre = torch.nn.modules.module.register_module_forward_pre_hook(self._pre_hook)
-        post = torch.nn.modules.module.register_module_forward_hook(self._post_hook)
+        handles = [
+            torch.nn.modules.module.register_module_forward_pre_hook(self._pre_hook),
+            torch.nn.modules.module.register_module_forward_hook(self._post_hook),
+            *(m.register_forward_pre_hook(self._kwargs_hook, with_kwargs=True) for m in w.model.modules()),
+        ]
         try:
             with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack), self:
                 w.step(on_phase=self._on_phase)
             self.finished = True
         finally:
-            pre.remove()
-            post.remove()
+            for handle in handles:
+                handle.remove()
         self._classify_backward_storages()
 
     def _classify_backward_storages(self) -> None:

@@ -8,6 +8,7 @@ small on a large model, but a real share of the step on a small fast one.
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 from collections.abc import Callable
@@ -46,6 +47,7 @@ def _median_ms(step: Callable[[], None], device: torch.device) -> float:
     return statistics.median(rounds)
 
 
+@functools.cache  # a property of the device and torch, not of the model: measured once per process
 def measure_overheads(device: torch.device) -> Overheads:
     x = torch.randn(8, device=device, requires_grad=True)
 

@@ -32,6 +32,7 @@ from monet_cli.core.profile import (
 from monet_cli.errors import ModelError
 from monet_cli.profiler.capture import LifetimeRecorder, OpTimer, StepRecorder, Timings
 from monet_cli.profiler.overheads import measure_overheads
+from monet_cli.profiler.rehearse import Rehearsal
 from monet_cli.workload.step import Workload, build_workload, run_checked
 
 Progress = Callable[[str], None]
@@ -43,13 +44,14 @@ def _no_progress(label: str) -> None:
 
 def profile_steps(steps: int) -> int:
     """How many progress ticks ``profile_model`` reports."""
-    return 5 + 2 * steps
+    return 6 + 2 * steps
 
 
 def profile_model(
     spec: ModelSpec, device: torch.device, *, steps: int = 3, progress: Progress = _no_progress
 ) -> Profile:
-    """Warm up, measure the peak, record one step, replay lifetimes, then time ``steps`` steps."""
+    """Warm up, measure the peak, record one step, replay lifetimes, time ``steps`` steps, then
+    rehearse the recompute of every candidate segment (last: a re-run may change model state)."""
     workload = run_checked(lambda: build_workload(spec, device), "building the workload")
     progress("warm-up step")
     run_checked(lambda: workload.timed_step(), "warm-up step")
@@ -69,7 +71,13 @@ def profile_model(
         timings.op_ms.append(run_checked(lambda: _timed_ops(workload, recorder), "timed step"))
         progress(f"timing steps (step {i + 1}/{steps})")
         timings.step_ms.append(run_checked(lambda: workload.timed_step(), "timed step"))
-    profile = build_profile(workload, recorder, lifetimes, timings, measurement.peak_bytes, measurement.meter)
+    reasons = structural_reasons(recorder)
+    progress("rehearsing recomputes")
+    candidates = [call.fqn for call in recorder.calls if not reasons[call.index]]
+    differs = run_checked(lambda: Rehearsal(workload, candidates).run(), "rehearsal step")
+    for call in recorder.calls:
+        reasons[call.index] = reasons[call.index] or differs.get(call.fqn, "")
+    profile = build_profile(workload, recorder, lifetimes, timings, measurement.peak_bytes, measurement.meter, reasons)
     return replace(profile, overheads=overheads)
 
 
@@ -94,6 +102,7 @@ def build_profile(
     timings: Timings,
     peak_bytes: int,
     meter: str,
+    reasons: list[str],
 ) -> Profile:
     forward = [op for op in recorder.ops if op.phase == "forward"]
     if lifetimes.ops != [op.op for op in forward]:
@@ -113,6 +122,7 @@ def build_profile(
             shapes=shapes_hash(op.signature for op in forward if op.module != LOSS_MODULE),
             device_type=workload.device.type,
             torch=torch.__version__.split("+")[0],
+            precision=workload.spec.precision,
         ),
         baseline=Baseline(
             peak_bytes=peak_bytes,
@@ -128,7 +138,7 @@ def build_profile(
             BackwardOp(pos=op.pos, op=op.op, phase=op.phase, time_ms=round(op_ms[op.pos], 4))  # type: ignore[arg-type]
             for op in recorder.ops[len(forward):]
         ),
-        calls=_call_records(recorder, storages),
+        calls=_call_records(recorder, reasons),
         storages=storages,
         packs=tuple(
             PackRecord(storage=p.storage, call=p.call, pos=p.pos, unpack=p.unpack, release=p.release)
@@ -203,29 +213,45 @@ def _inplace_of(op, storages: tuple[StorageRecord, ...]) -> int | None:
     return None
 
 
-def _call_records(recorder: StepRecorder, storages: tuple[StorageRecord, ...]) -> tuple[ModuleCall, ...]:
+def structural_reasons(recorder: StepRecorder) -> list[str]:
+    """Per recorded call, why it cannot be a segment whatever its re-run does ("" when it can)."""
     counts: dict[str, int] = {}
     for call in recorder.calls:
         counts[call.fqn] = counts.get(call.fqn, 0) + 1
-    return tuple(
-        ModuleCall(
-            index=c.index, fqn=c.fqn, type=c.type, first_op=c.first_op, end_op=c.end_op, parent=c.parent,
-            checkpointable=c.parent is not None and counts[c.fqn] == 1 and c.end_op > c.first_op
-            and not _writes_outside_activations(recorder, storages, c.first_op, c.end_op),
-            inputs=tuple(c.inputs),
-        )
-        for c in recorder.calls
+    named = set(recorder.workload.module_names.values())
+    activations = {s.id for s in recorder.storages if s.kind == "activation" and s.producer is not None}
+    reasons = []
+    for c in recorder.calls:
+        if c.parent is None:
+            reasons.append("the model itself: its inputs are the step's data")
+        elif c.fqn not in named:
+            reasons.append("not a registered submodule: monet finds segments by module path")
+        elif counts[c.fqn] > 1:
+            reasons.append(f"called {counts[c.fqn]} times in one step (shared weights)")
+        elif c.end_op <= c.first_op:
+            reasons.append("runs no ops")
+        elif _writes_earlier_activation(recorder, activations, c.first_op, c.end_op):
+            reasons.append("writes in place to a tensor made before it: a recompute would read the written value")
+        else:
+            reasons.append("")
+    return reasons
+
+
+def _writes_earlier_activation(recorder: StepRecorder, activations: set[int], first: int, end: int) -> bool:
+    return any(
+        sid in activations and recorder.storages[sid].producer < first
+        for op in recorder.ops[first:end] for sid in op.written
     )
 
 
-def _writes_outside_activations(recorder: StepRecorder, storages, first: int, end: int) -> bool:
-    """An in-place write to an activation made before the call breaks its recompute."""
-    for op in recorder.ops[first:end]:
-        for sid in op.written:
-            s = storages[sid]
-            if s.kind == "activation" and s.producer is not None and s.producer < first:
-                return True
-    return False
+def _call_records(recorder: StepRecorder, reasons: list[str]) -> tuple[ModuleCall, ...]:
+    return tuple(
+        ModuleCall(
+            index=c.index, fqn=c.fqn, type=c.type, first_op=c.first_op, end_op=c.end_op, parent=c.parent,
+            checkpointable=not reasons[c.index], inputs=tuple(c.inputs), reason=reasons[c.index],
+        )
+        for c in recorder.calls
+    )
 
 
 def _memory_summary(storages: tuple[StorageRecord, ...], ops: tuple[OpRecord, ...]) -> MemorySummary:

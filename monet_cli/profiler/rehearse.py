@@ -1,0 +1,176 @@
+"""Rehearse checkpoint's recompute of every candidate module call, once, while profiling.
+
+Non-reentrant checkpoint recomputes a segment by calling its ``forward`` again during
+backward, with the arguments of the first call, the RNG state restored and autocast as it
+was. That re-run must repeat the first one exactly: selective checkpointing finds kept
+values by (op, occurrence), checkpoint checks the saved tensors' shapes, and backward
+uses the recomputed values. A forward that changes state it also reads breaks this: a
+key/value cache grows on every call (the re-run attends over twice the tokens, runs other
+ops, crashes with "not found in storage" or "different metadata", or keeps the grown cache
+alive through backward), a counter or a memoised tensor changes what runs.
+
+So, in one extra step, each candidate call records its arguments, RNG and autocast state,
+the ops it runs and its outputs; after the loss each call is run again in reverse order
+(as backward meets them) under those conditions, and every call whose re-run differs in
+ops, shapes or values is reported with the reason. The profile marks those calls, and the
+solver never offers them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from monet_cli.runtime.fingerprint import IGNORED_OPS, signature
+from monet_cli.workload.step import Workload
+
+RTOL, ATOL = 1e-5, 1e-6
+"""Re-run outputs must match this closely (exactly on CPU in practice; GPU kernels may use atomics)."""
+
+
+@dataclass
+class _Take:
+    """One candidate call as the forward ran it."""
+
+    forward: Any
+    args: tuple
+    kwargs: dict
+    rng: tuple[torch.Tensor, torch.Tensor | None]
+    autocast: tuple[bool, torch.dtype, bool]
+    ops: list[str]
+    output: Any
+
+
+class _OpLog(TorchDispatchMode):
+    """Appends ``overload|argument shapes`` of every op to whichever list is current."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sink: list[str] | None = None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self.sink is not None and str(func) not in IGNORED_OPS:
+            tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+            self.sink.append(f"{func}|{signature(tensors)}")
+        return func(*args, **kwargs)
+
+
+class Rehearsal:
+    def __init__(self, workload: Workload, fqns: list[str]) -> None:
+        self.workload = workload
+        modules = dict(workload.model.named_modules())
+        self.modules = {fqn: modules[fqn] for fqn in fqns if fqn in modules}
+        self.log = _OpLog()
+        self.takes: dict[str, _Take] = {}
+        self.recording = False
+
+    def run(self) -> dict[str, str]:
+        """One step's forward and loss, then every re-run: module path -> why it differs."""
+        w = self.workload
+        originals = {fqn: module.forward for fqn, module in self.modules.items()}
+        own = {fqn for fqn, module in self.modules.items() if "forward" in module.__dict__}
+        for fqn, module in self.modules.items():
+            module.forward = self._recording_forward(fqn, originals[fqn])
+        try:
+            w.zero_grad()
+            self.log.sink = []
+            self.recording = True
+            with self.log:
+                loss = w.forward_loss()
+            self.recording = False
+            del loss
+            return self._rehearse_all()
+        finally:
+            for fqn, module in self.modules.items():
+                if fqn in own:
+                    module.forward = originals[fqn]
+                else:
+                    del module.forward  # back to the class's forward
+            self.takes.clear()
+            self.log.sink = None
+
+    def _recording_forward(self, fqn: str, original: Any) -> Any:
+        device = self.workload.device
+
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            if not self.recording:
+                return original(*args, **kwargs)
+            rng = (torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None)
+            autocast = (torch.is_autocast_enabled(device.type), torch.get_autocast_dtype(device.type),
+                        torch.is_autocast_cache_enabled())
+            sink = self.log.sink
+            start = len(sink)
+            output = original(*args, **kwargs)
+            self.takes[fqn] = _Take(forward=original, args=args, kwargs=kwargs, rng=rng, autocast=autocast,
+                                    ops=sink[start:], output=output)
+            return output
+
+        return forward
+
+    def _rehearse_all(self) -> dict[str, str]:
+        buffers = [b for b in self.workload.model.buffers()]
+        saved = [b.detach().clone() for b in buffers]
+        problems = {}
+        for fqn in reversed(list(self.takes)):
+            problem = self._rehearse(self.takes[fqn])
+            if problem is not None:
+                problems[fqn] = problem
+            with torch.no_grad():  # BatchNorm statistics: monet's guard keeps them during a real recompute
+                for buffer, value in zip(buffers, saved):
+                    buffer.copy_(value)
+        return problems
+
+    def _rehearse(self, take: _Take) -> str | None:
+        device = self.workload.device
+        enabled, dtype, cache = take.autocast
+        devices = [device] if device.type == "cuda" else []
+        ops: list[str] = []
+        try:
+            with torch.random.fork_rng(devices=devices, device_type=device.type), torch.enable_grad():
+                torch.set_rng_state(take.rng[0])
+                if take.rng[1] is not None:
+                    torch.cuda.set_rng_state(take.rng[1], device)
+                with torch.autocast(device.type, dtype=dtype, enabled=enabled, cache_enabled=cache):
+                    self.log.sink = ops
+                    with self.log:
+                        output = take.forward(*take.args, **take.kwargs)
+        except Exception as err:  # the model's own code: report it, never crash the profile
+            return f"re-running its forward raised {type(err).__name__}: {str(err).strip().splitlines()[0][:120]}"
+        finally:
+            self.log.sink = None
+        return _ops_problem(take.ops, ops) or _output_problem(take.output, output)
+
+
+def _ops_problem(first: list[str], again: list[str]) -> str | None:
+    if first == again:
+        return None
+    for k, (a, b) in enumerate(zip(first, again)):
+        if a != b:
+            return (f"re-running its forward runs other ops (op {k}: {_short(b)} instead of {_short(a)}): "
+                    "it changes state it reads, e.g. a key/value cache (use_cache=False)")
+    return (f"re-running its forward runs {len(again)} ops instead of {len(first)}: "
+            "it changes state it reads, e.g. a key/value cache (use_cache=False)")
+
+
+def _output_problem(first: Any, again: Any) -> str | None:
+    a = [t for t in tree_flatten(first)[0] if isinstance(t, torch.Tensor)]
+    b = [t for t in tree_flatten(again)[0] if isinstance(t, torch.Tensor)]
+    if len(a) != len(b):
+        return f"re-running its forward returns {len(b)} tensors instead of {len(a)}"
+    for x, y in zip(a, b):
+        if x.shape != y.shape or x.dtype != y.dtype:
+            return f"re-running its forward returns {tuple(y.shape)} {y.dtype} instead of {tuple(x.shape)} {x.dtype}"
+        same = torch.allclose(x, y, rtol=RTOL, atol=ATOL, equal_nan=True) if x.is_floating_point() else torch.equal(x, y)
+        if not same:
+            return "re-running its forward gives other values: it depends on state that changed after it ran"
+    return None
+
+
+def _short(op: str) -> str:
+    name, _, shapes = op.partition("|")
+    return f"{name}({shapes[:60]})"

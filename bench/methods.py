@@ -79,7 +79,7 @@ class CompiledStep:
         import torch._functorch.config as functorch_config
 
         with functorch_config.patch(activation_memory_budget=self.budget):
-            output = self.compiled(*self.workload.inputs)
+            output = self.workload.run_model(self.compiled)
             loss = self.workload.loss_fn(output)
             loss.backward()
             if self.workload.optimizer is not None:

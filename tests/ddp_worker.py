@@ -25,9 +25,9 @@ def grads_after_step(schedule_path: Path | None, spec, rank: int) -> dict[str, t
     if schedule_path is not None:
         monet_cli.apply(workload.model, schedule_path)  # before wrapping, as documented
     model = DDP(workload.model)
-    inputs = tuple(x + rank for x in workload.inputs)  # each rank sees different data
+    workload.inputs = tuple(x + rank for x in workload.inputs)  # each rank sees different data
     torch.manual_seed(100 + rank)
-    output = model(*inputs)
+    output = workload.run_model(model)
     loss = workload.loss_fn(output)
     loss.backward()
     return {n: p.grad.detach().clone() for n, p in workload.model.named_parameters()}

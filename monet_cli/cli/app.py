@@ -42,6 +42,15 @@ InputRange = Annotated[
 ]
 Device = Annotated[str, typer.Option(help="auto (CUDA when present), cpu, cuda or cuda:N.")]
 OptimizerName = Annotated[Optional[str], typer.Option(help="sgd (lr 0.01, momentum 0.9), adamw or none. Default: sgd.")]
+PrecisionOption = Annotated[
+    Optional[str],
+    typer.Option(help="32, bf16-mixed or fp16-mixed (forward and loss under torch.autocast; fp16 with a GradScaler). "
+                 "Default: 32."),
+]
+ModelArg = Annotated[
+    Optional[list[str]],
+    typer.Option("--model-arg", help="KEY=VALUE passed to the model factory (hf: models: a config field); repeatable."),
+]
 
 
 def _version(value: bool) -> None:
@@ -63,12 +72,15 @@ def _root(
     help=(
         "Run real training steps of MODEL and record every op's time and memory into a YAML profile.\n\n"
         "MODEL is a run config (configs/NAME.yaml or a path to a .yaml file), a torchvision model "
-        "name (resnet50, vgg16, vit_b_16, ...) or an import path package.module:function returning "
+        "name (resnet50, vgg16, vit_b_16, ...), hf:NAME (a transformers model type, model class or "
+        "config.json; no download), timm:NAME, or an import path package.module:function returning "
         "an nn.Module. Command-line options override the run config.\n\n"
         "Examples:\n\n"
         "  monet profile resnet50 --batch-size 8 --input-shape 3,128,128\n\n"
         "  monet profile monet_cli.examples.models:tiny_gpt --input-shape 64 --input-dtype int64 "
-        "--input-range 0:512 --loss token_cross_entropy\n\n" + EXIT_CODES_HELP
+        "--input-range 0:512 --loss token_cross_entropy\n\n"
+        "  monet profile hf:llama --model-arg hidden_size=256 --model-arg num_hidden_layers=4 --input-shape 128 "
+        "-b 16 --precision bf16-mixed\n\n" + EXIT_CODES_HELP
     ),
     no_args_is_help=True,
 )
@@ -78,11 +90,10 @@ def profile(
     input_shape: InputShape = None,
     input_dtype: InputDtype = None,
     input_range: InputRange = None,
-    model_arg: Annotated[
-        Optional[list[str]], typer.Option("--model-arg", help="KEY=VALUE passed to the model factory; repeatable.")
-    ] = None,
+    model_arg: ModelArg = None,
     device: Device = "auto",
     optimizer: OptimizerName = None,
+    precision: PrecisionOption = None,
     lr: Annotated[Optional[float], typer.Option(help="Learning rate of the optimizer.")] = None,
     loss: Annotated[
         Optional[str],
@@ -102,7 +113,7 @@ def profile(
             profile_cmd.ProfileArgs(
                 model=model, batch_size=batch_size, input_shapes=input_shape or [], input_dtypes=input_dtype or [],
                 input_range=input_range, model_args=model_arg or [], device=device, optimizer=optimizer, lr=lr,
-                loss=loss, steps=steps, seed=seed, output=output, json_output=json_output,
+                loss=loss, steps=steps, seed=seed, output=output, json_output=json_output, precision=precision,
             )
         )
 
@@ -290,8 +301,10 @@ def estimate(
     input_shape: InputShape = None,
     input_dtype: InputDtype = None,
     input_range: InputRange = None,
+    model_arg: ModelArg = None,
     device: Device = "auto",
     optimizer: OptimizerName = None,
+    precision: PrecisionOption = None,
     json_output: Annotated[bool, typer.Option("--json", help="Print JSON on stdout.")] = False,
 ) -> None:
     from monet_cli.cli import estimate_cmd
@@ -307,8 +320,8 @@ def estimate(
 
             profile = profile_cmd.profile_only(profile_cmd.ProfileArgs(
                 model=target, batch_size=batch_size, input_shapes=input_shape or [], input_dtypes=input_dtype or [],
-                input_range=input_range, model_args=[], device=device, optimizer=optimizer, lr=None, loss=None,
-                steps=1, seed=None, output=None, json_output=json_output,
+                input_range=input_range, model_args=model_arg or [], device=device, optimizer=optimizer, lr=None,
+                loss=None, steps=1, seed=None, output=None, json_output=json_output, precision=precision,
             ))
         result = estimate_cmd.estimate(profile, target, fits)
         if json_output:

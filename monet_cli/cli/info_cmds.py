@@ -69,10 +69,10 @@ def model_fingerprint(schedule: Schedule, model_spec: str | None):
                             schedule.fingerprint.device_type == "cpu" else "cpu")
     workload = run_checked(lambda: build_workload(spec, device), "building the model")
     with ModuleStack(workload.model) as stack:
-        sequence = OpSequence(stack.path)
+        sequence = OpSequence(stack)
         with sequence:
-            run_checked(lambda: workload.model(*workload.inputs), "forward")
-    return sequence.fingerprint(device.type)
+            run_checked(workload.run_model, "forward")
+    return sequence.fingerprint(device.type, spec.precision)
 
 
 def validate(path: Path, model_spec: str | None) -> Validation:

@@ -29,6 +29,7 @@ class ProfileArgs:
     seed: int | None
     output: Path | None
     json_output: bool
+    precision: str | None = None
 
 
 def parse_inputs(shapes: list[str], dtypes: list[str], value_range: str | None) -> tuple[InputSpec, ...] | None:
@@ -67,7 +68,7 @@ def parse_model_args(items: list[str]) -> dict[str, Any] | None:
 def resolve(args: ProfileArgs):
     """Options -> (model spec, device), validating everything before any model runs."""
     from monet_cli.workload.resolve import Overrides, resolve_model_spec
-    from monet_cli.workload.step import parse_dtype, resolve_device
+    from monet_cli.workload.step import check_precision, parse_dtype, resolve_device
 
     if args.steps < 1:
         raise UsageError(f"--steps must be at least 1, got {args.steps}")
@@ -79,6 +80,7 @@ def resolve(args: ProfileArgs):
         loss=args.loss,
         seed=args.seed,
         model_kwargs=parse_model_args(args.model_args),
+        precision=None if args.precision is None else check_precision(args.precision),
     )
     if overrides.inputs:
         for spec in overrides.inputs:

@@ -26,21 +26,27 @@ def flow_row(cls: type[T]) -> type[T]:
     return cls
 
 
-def to_data(value: Any) -> Any:
-    """Dataclass tree -> dicts/lists/scalars in field order."""
+def to_data(value: Any, *, omit_defaults: frozenset[str] = frozenset()) -> Any:
+    """Dataclass tree -> dicts/lists/scalars in field order.
+
+    ``omit_defaults`` names fields (``Class.field``) left out while they hold their default.
+    """
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         mapping = FlowMap() if type(value) in FLOW_CLASSES else {}
         for field in dataclasses.fields(value):
-            mapping[field.name] = to_data(getattr(value, field.name))
+            item = getattr(value, field.name)
+            if f"{type(value).__name__}.{field.name}" in omit_defaults and item == field.default:
+                continue
+            mapping[field.name] = to_data(item, omit_defaults=omit_defaults)
         return mapping
     if isinstance(value, tuple) and all(isinstance(v, (int, float, str, bool)) for v in value):
         return tuple(v if not isinstance(v, str) else str(v) for v in value)  # scalar tuples stay inline
     if isinstance(value, (list, tuple)):
-        return [to_data(v) for v in value]
+        return [to_data(v, omit_defaults=omit_defaults) for v in value]
     if isinstance(value, str):
         return str(value)  # plain str: subclasses such as TorchVersion cannot be dumped
     if isinstance(value, dict):
-        return {str(k): to_data(v) for k, v in value.items()}
+        return {str(k): to_data(v, omit_defaults=omit_defaults) for k, v in value.items()}
     return value
 
 

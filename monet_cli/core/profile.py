@@ -18,6 +18,9 @@ from monet_cli.errors import FileFormatError
 
 SCHEMA_VERSION = 1
 PROFILE_KIND = "monet.profile"
+PRECISIONS = ("32", "bf16-mixed", "fp16-mixed")
+"""Lightning's names: full fp32, or the step under ``torch.autocast`` in bfloat16 / float16."""
+Precision = Literal["32", "bf16-mixed", "fp16-mixed"]
 LOSS_MODULE = "<loss>"  # module path of the ops that compute the loss, outside the model
 
 
@@ -29,6 +32,8 @@ class InputSpec:
     low: int | None = None
     """Integer inputs (token ids) are drawn uniformly from [low, high)."""
     high: int | None = None
+    name: str | None = None
+    """Keyword the model's forward takes this input as (``input_ids``, ``labels``); None: positional."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -46,15 +51,17 @@ class ModelSpec:
     spec: str
     """What the user typed: a run config, a torchvision name or ``package.module:function``."""
     name: str
-    source: Literal["torchvision", "import"]
+    source: Literal["torchvision", "import", "hf", "timm"]
     target: str
-    """The torchvision model name or the import path that builds the model."""
+    """What builds the model: a torchvision or timm model name, an import path, or for ``hf`` a
+    transformers model class or model type (its config fields are ``kwargs``)."""
     kwargs: dict[str, Any] = field(default_factory=dict)
     batch_size: int
     inputs: tuple[InputSpec, ...]
     optimizer: OptimizerSpec = field(default_factory=OptimizerSpec)
     loss: str = "auto"
     seed: int = 0
+    precision: Precision = "32"
     out_of_place_activations: bool = True
     """monet runs activation modules (ReLU, ...) out of place so their outputs can be kept."""
 
@@ -83,6 +90,8 @@ class Fingerprint:
     """Hash of every forward op's tensor argument shapes and dtypes."""
     device_type: str
     torch: str
+    precision: Precision = "32"
+    """The autocast mode of the forward: its casts are part of the op sequence and of memory."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -150,9 +159,12 @@ class ModuleCall:
     """One past the last op run inside the call."""
     parent: int | None
     checkpointable: bool
-    """A segment candidate: called once, runs ops, does not write its inputs in place."""
+    """A segment candidate: called once, runs ops, does not write its inputs in place, and
+    re-running its forward (as checkpoint's recompute does) repeats it exactly."""
     inputs: tuple[int, ...] = ()
     """Storages of its tensor arguments: checkpoint holds them until its backward is done."""
+    reason: str = ""
+    """Why the call is not checkpointable (empty when it is)."""
 
 
 @flow_row

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from monet_cli.core.codec import from_data
-from monet_cli.core.profile import InputSpec
+from monet_cli.core.profile import InputSpec, Precision
 from monet_cli.core.yamlio import load_yaml_file
 
 RUN_CONFIG_KIND = "monet.run"
@@ -17,7 +17,7 @@ RUN_CONFIG_KIND = "monet.run"
 class RunConfig:
     kind: Literal["monet.run"] = RUN_CONFIG_KIND
     model: str
-    """A torchvision model name or an import path ``package.module:function``."""
+    """A torchvision model name, ``hf:NAME``, ``timm:NAME`` or an import path ``package.module:function``."""
     model_kwargs: dict[str, Any] = field(default_factory=dict)
     batch_size: int | None = None
     inputs: tuple[InputSpec, ...] | None = None
@@ -26,6 +26,7 @@ class RunConfig:
     loss: str | None = None
     """``auto``, ``cross_entropy``, ``token_cross_entropy``, ``mean_square`` or ``package.module:function``."""
     seed: int | None = None
+    precision: Precision | None = None
     description: str = ""
 
 

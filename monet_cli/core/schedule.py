@@ -110,11 +110,16 @@ class Schedule:
         return {s.call: s.kept_ops() for s in self.segments}
 
 
+# Optional keys added after the hash's payload was fixed: they enter it only when set, so
+# schedules written before them keep their hash.
+HASHED_WHEN_SET = frozenset({"InputSpec.name", "ModelSpec.precision", "Fingerprint.precision"})
+
+
 def content_hash(schedule: Schedule) -> str:
     """SHA-256 of the canonical payload: no timestamps, no wall times, no hash itself."""
     stripped = replace(schedule, created_at="", content_sha256="", solver=replace(schedule.solver, time_s=0.0))
     # Through the loader once, so a value typed 0 in memory and 0.0 in the file hash alike.
-    data = to_data(from_data(Schedule, to_data(stripped), source="<hash>"))
+    data = to_data(from_data(Schedule, to_data(stripped), source="<hash>"), omit_defaults=HASHED_WHEN_SET)
     canonical = json.dumps(data, sort_keys=True, separators=(",", ":"), default=list)
     return hashlib.sha256(canonical.encode("utf-8")).hexdigest()
 

@@ -58,13 +58,17 @@ class ApplyReport:
 
 def _first_step(workload: Workload) -> dict[str, dict[str, torch.Tensor]]:
     """One seeded step; returns grads (before the update), params and buffers (after)."""
+    grads: dict[str, torch.Tensor] = {}
+
+    def snapshot_grads(phase: str, loss: torch.Tensor) -> None:
+        if phase == "optimizer":
+            grads.update(
+                (n, p.grad.detach().clone()) for n, p in workload.model.named_parameters() if p.grad is not None
+            )
+
     torch.manual_seed(CHECK_SEED)
     workload.zero_grad()
-    loss = workload.forward_loss()
-    loss.backward()
-    grads = {n: p.grad.detach().clone() for n, p in workload.model.named_parameters() if p.grad is not None}
-    if workload.optimizer is not None:
-        workload.optimizer.step()
+    workload.step(on_phase=snapshot_grads)
     return {
         "grads": grads,
         "params": {n: p.detach().clone() for n, p in workload.model.named_parameters()},

@@ -36,6 +36,7 @@ class Overrides:
     loss: str | None = None
     seed: int | None = None
     model_kwargs: dict[str, Any] | None = None
+    precision: str | None = None
 
 
 def torchvision_names() -> list[str]:
@@ -58,19 +59,21 @@ def resolve_model_spec(model_arg: str, overrides: Overrides, *, configs_dir: Pat
 
 
 def _name_of(target: str) -> str:
+    if target.endswith(".json"):
+        return Path(target).stem
     return target.rsplit(":", 1)[-1] if ":" in target else target
 
 
 def _spec_from(model_arg: str, name: str, config: RunConfig, overrides: Overrides) -> ModelSpec:
     source, target = _classify_target(config.model)
     kwargs = {**config.model_kwargs, **(overrides.model_kwargs or {})}
-    inputs = overrides.inputs or config.inputs
-    if inputs is None:
-        if source != "torchvision":
-            raise UsageError(f"model '{target}': give the per-sample input shape with --input-shape (e.g. 3,32,32)")
-        inputs = (InputSpec(shape=DEFAULT_IMAGE_SHAPE),)
-    if source == "torchvision":
-        kwargs = _fit_image_size(target, kwargs, inputs)
+    if source == "hf":
+        from monet_cli.workload.hf import resolve_hf_target
+
+        target, kwargs = resolve_hf_target(target, kwargs)
+    inputs = _inputs(source, target, kwargs, overrides.inputs or config.inputs)
+    if source in ("torchvision", "timm"):
+        kwargs = _fit_image_size(source, target, kwargs, inputs)
     batch_size = overrides.batch_size or config.batch_size or 8
     if batch_size <= 0:
         raise UsageError(f"--batch-size must be positive, got {batch_size}")
@@ -89,10 +92,44 @@ def _spec_from(model_arg: str, name: str, config: RunConfig, overrides: Override
         optimizer=optimizer,
         loss=overrides.loss or config.loss or "auto",
         seed=overrides.seed if overrides.seed is not None else (config.seed or 0),
+        precision=overrides.precision or config.precision or "32",
     )
 
 
+def _inputs(source: str, target: str, kwargs: dict[str, Any], given: tuple[InputSpec, ...] | None) -> tuple[InputSpec, ...]:
+    """The inputs as given, or the ones the model's source implies."""
+    if source == "hf" and not (given and all(spec.name for spec in given)):
+        from monet_cli.workload.hf import hf_inputs
+
+        return hf_inputs(target, kwargs, _hf_shape(given))
+    if given is not None:
+        return tuple(given)
+    if source in ("torchvision", "timm"):
+        return (InputSpec(shape=DEFAULT_IMAGE_SHAPE),)
+    raise UsageError(f"model '{target}': give the per-sample input shape with --input-shape (e.g. 3,32,32)")
+
+
+def _hf_shape(given: tuple[InputSpec, ...] | None) -> tuple[int, ...] | None:
+    """For hf: models --input-shape is the sequence length (or C,H,W); inputs are built from the model."""
+    if not given:
+        return None
+    if len(given) != 1 or given[0].dtype != "float32" or given[0].low is not None:
+        raise UsageError("hf: models take one --input-shape (the sequence length, or C,H,W for images); "
+                         "monet builds input_ids, attention_mask and labels itself, so --input-dtype and "
+                         "--input-range do not apply")
+    return given[0].shape
+
+
 def _classify_target(target: str) -> tuple[str, str]:
+    for prefix in ("hf", "timm"):
+        if target.startswith(f"{prefix}:"):
+            name = target[len(prefix) + 1:]
+            if not name:
+                raise UsageError(f"'{target}': name a model after '{prefix}:', e.g. {prefix}:" +
+                                 ("llama" if prefix == "hf" else "convnext_atto"))
+            if prefix == "timm":
+                _check_timm_name(name)
+            return prefix, name
     if ":" in target:
         module, _, attr = target.partition(":")
         if not module or not attr:
@@ -104,23 +141,50 @@ def _classify_target(target: str) -> tuple[str, str]:
     close = difflib.get_close_matches(target, names, n=3, cutoff=0.6)
     hint = f"; did you mean {', '.join(close)}?" if close else ""
     raise UsageError(
-        f"unknown model '{target}': not a run config in configs/, a torchvision model or "
+        f"unknown model '{target}': not a run config in configs/, a torchvision model, hf:NAME, timm:NAME or "
         f"an import path package.module:function{hint}"
     )
 
 
-def _fit_image_size(name: str, kwargs: dict[str, Any], inputs: tuple[InputSpec, ...]) -> dict[str, Any]:
+def _timm() -> Any:
+    try:
+        import timm
+    except ImportError:
+        raise UsageError("timm: models need timm: pip install timm") from None
+    return timm
+
+
+def _check_timm_name(name: str) -> None:
+    timm = _timm()
+    if not timm.is_model(name):
+        close = difflib.get_close_matches(name, timm.list_models(), n=3, cutoff=0.6)
+        hint = f"; did you mean {', '.join(close)}?" if close else ""
+        raise UsageError(f"timm:{name}: timm has no model of that name{hint}")
+
+
+def _fit_image_size(source: str, name: str, kwargs: dict[str, Any], inputs: tuple[InputSpec, ...]) -> dict[str, Any]:
     """ViTs bake the image size into their position embeddings: follow --input-shape."""
+    shape = inputs[0].shape
+    if "image_size" in kwargs or "img_size" in kwargs or len(shape) != 3 or shape[1] == DEFAULT_IMAGE_SHAPE[1]:
+        return kwargs
+    if source == "timm":
+        return {**kwargs, "img_size": shape[1]} if _timm_takes_img_size(name, shape[1]) else kwargs
     import torchvision
 
     builder = torchvision.models.get_model_builder(name)
-    shape = inputs[0].shape
-    if "image_size" in kwargs or len(shape) != 3:
-        return kwargs
     if "image_size" in inspect.signature(builder).parameters or name.startswith("vit_"):
-        if shape[1] != 224:
-            return {**kwargs, "image_size": shape[1]}
+        return {**kwargs, "image_size": shape[1]}
     return kwargs
+
+
+def _timm_takes_img_size(name: str, size: int) -> bool:
+    """Whether the timm model has an ``img_size`` argument (built on the meta device: no memory)."""
+    try:
+        with torch.device("meta"):
+            _timm().create_model(name, pretrained=False, img_size=size)
+    except TypeError:
+        return False
+    return True
 
 
 def build_model(spec: ModelSpec) -> nn.Module:
@@ -143,6 +207,12 @@ def _factory(spec: ModelSpec) -> Any:
         import torchvision
 
         return lambda **kw: torchvision.models.get_model(spec.target, weights=None, **kw)
+    if spec.source == "timm":
+        return lambda **kw: _timm().create_model(spec.target, pretrained=False, **kw)
+    if spec.source == "hf":
+        from monet_cli.workload.hf import build_hf_model
+
+        return lambda **kw: build_hf_model(spec.target, kw)
     module_name, _, attr = spec.target.partition(":")
     # Like uvicorn or ``python -m``: the user's own package in the working directory imports.
     if os.getcwd() not in sys.path and "" not in sys.path:

@@ -6,6 +6,7 @@ Inputs and labels are random but seeded, so every rebuild feeds the same data.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import time
 from collections.abc import Callable
@@ -16,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from monet_cli.core.profile import LOSS_MODULE, InputSpec, ModelSpec
+from monet_cli.core.profile import LOSS_MODULE, PRECISIONS, InputSpec, ModelSpec
 from monet_cli.runtime.meter import Measurement, measure_step, preexisting_tensors
 from monet_cli.errors import DeviceError, ModelError, MonetError, UsageError
 from monet_cli.workload.resolve import build_model
@@ -100,10 +101,38 @@ def make_optimizer(model: nn.Module, spec: ModelSpec) -> torch.optim.Optimizer |
     raise UsageError(f"--optimizer '{opt.name}': expected sgd, adamw or none")
 
 
+def check_precision(precision: str) -> str:
+    if precision not in PRECISIONS:
+        raise UsageError(f"--precision '{precision}': expected one of {', '.join(PRECISIONS)}")
+    return precision
+
+
+def autocast_dtype(precision: str) -> torch.dtype | None:
+    """The autocast dtype of a precision (None: no autocast)."""
+    return {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}.get(precision)
+
+
+def precision_context(precision: str, device: torch.device) -> contextlib.AbstractContextManager:
+    """Forward and loss run under autocast (as Lightning does); backward and the optimizer outside it."""
+    dtype = autocast_dtype(precision)
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+def model_loss(output: Any) -> torch.Tensor | None:
+    """The loss a model computed itself (Hugging Face outputs carry ``.loss`` when given labels)."""
+    loss = output.get("loss") if isinstance(output, dict) else getattr(output, "loss", None)
+    return loss if isinstance(loss, torch.Tensor) and loss.numel() == 1 else None
+
+
 def first_tensor(output: Any) -> torch.Tensor:
-    """The tensor a default loss is computed on (models may return tuples or dicts)."""
+    """The tensor a default loss is computed on (models may return tuples, dicts or ``ModelOutput``s)."""
     if isinstance(output, torch.Tensor):
         return output
+    logits = output.get("logits") if isinstance(output, dict) else getattr(output, "logits", None)
+    if isinstance(logits, torch.Tensor):
+        return logits
     if isinstance(output, dict):
         output = list(output.values())
     if isinstance(output, (list, tuple)):
@@ -138,8 +167,10 @@ class LossFunction:
     def __call__(self, output: Any) -> torch.Tensor:
         if self._custom is not None:
             return self._custom(output)
-        out = first_tensor(output)
         kind = self.name
+        if kind == "auto" and (own := model_loss(output)) is not None:
+            return own
+        out = first_tensor(output)
         if kind == "auto":
             kind = "cross_entropy" if out.dim() == 2 and out.is_floating_point() else "mean_square"
         if kind == "mean_square":
@@ -172,11 +203,30 @@ class Workload:
     optimizer: torch.optim.Optimizer | None
     device: torch.device
     module_names: dict[int, str] = field(default_factory=dict)
+    scaler: torch.amp.GradScaler | None = None
+    """fp16-mixed: scales the loss so small float16 gradients do not underflow."""
+
+    def call_args(self) -> tuple[tuple[torch.Tensor, ...], dict[str, torch.Tensor]]:
+        """The model's positional and keyword inputs (``input_ids=...``, ``labels=...``)."""
+        args = tuple(t for t, s in zip(self.inputs, self.spec.inputs) if s.name is None)
+        kwargs = {s.name: t for t, s in zip(self.inputs, self.spec.inputs) if s.name is not None}
+        return args, kwargs
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        return precision_context(self.spec.precision, self.device)
+
+    def run_model(self, model: nn.Module | None = None) -> Any:
+        """One forward of ``model`` (default: this workload's) on the inputs, under the precision's autocast."""
+        args, kwargs = self.call_args()
+        with self.autocast():
+            return (model or self.model)(*args, **kwargs)
 
     def forward_loss(self) -> torch.Tensor:
-        output = self.model(*self.inputs)
-        with loss_scope():
-            return self.loss_fn(output)
+        args, kwargs = self.call_args()
+        with self.autocast():
+            output = self.model(*args, **kwargs)
+            with loss_scope():
+                return self.loss_fn(output)
 
     def zero_grad(self) -> None:
         if self.optimizer is not None:
@@ -192,11 +242,15 @@ class Workload:
         loss = self.forward_loss()
         if on_phase:
             on_phase("backward", loss)
-        loss.backward()
+        (loss if self.scaler is None else self.scaler.scale(loss)).backward()
         if on_phase:
             on_phase("optimizer", loss)
         if self.optimizer is not None:
-            self.optimizer.step()
+            if self.scaler is None:
+                self.optimizer.step()
+            else:
+                self.scaler.step(self.optimizer)
+                self.scaler.update()
         return float(loss.detach())
 
     def timed_step(self, seed: int | None = None) -> float:
@@ -246,14 +300,17 @@ def build_workload(spec: ModelSpec, device: torch.device, *, prepare: bool = Tru
         make_out_of_place(model)
     model.to(device).train()
     inputs = make_inputs(spec.inputs, spec.batch_size, device, spec.seed)
+    optimizer = make_optimizer(model, spec)
+    fp16 = check_precision(spec.precision) == "fp16-mixed" and optimizer is not None
     return Workload(
         spec=spec,
         model=model,
         inputs=inputs,
         loss_fn=LossFunction(spec.loss, spec.seed),
-        optimizer=make_optimizer(model, spec),
+        optimizer=optimizer,
         device=device,
         module_names={id(m): name for name, m in model.named_modules()},
+        scaler=torch.amp.GradScaler(device.type) if fp16 else None,
     )
 
 

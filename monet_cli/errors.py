@@ -26,7 +26,7 @@ EXIT_CODE_TABLE: tuple[tuple[int, str], ...] = (
     (EXIT_USAGE, "bad command line or bad input (unknown model, bad shape, bad budget)"),
     (EXIT_INFEASIBLE, "the budget is below the smallest peak any schedule can reach"),
     (EXIT_NO_SOLUTION, "the solver found no schedule within its time limit"),
-    (EXIT_FINGERPRINT, "schedule or profile does not match the model (fingerprint)"),
+    (EXIT_FINGERPRINT, "schedule or profile does not match the model (fingerprint), or the model already checkpoints"),
     (EXIT_BAD_FILE, "unsupported or corrupt profile/schedule file"),
     (EXIT_OVER_BUDGET, "measured peak above the budget, or gradients differ"),
     (EXIT_MODEL_FAILED, "the model raised an error while running"),
@@ -55,6 +55,10 @@ class NoSolutionError(MonetError):
 
 class FingerprintError(MonetError):
     exit_code = EXIT_FINGERPRINT
+
+
+class CheckpointConflictError(FingerprintError):
+    """The model already checkpoints (Hugging Face, timm or torch wrappers): two planners would fight."""
 
 
 class FileFormatError(MonetError):

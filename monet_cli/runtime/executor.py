@@ -11,6 +11,7 @@ On the first forward the op sequence is fingerprinted and checked against the sc
 from __future__ import annotations
 
 import functools
+import warnings
 from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
@@ -26,7 +27,7 @@ from torch.utils.checkpoint import (
 )
 
 from monet_cli.core.schedule import Schedule, load_schedule
-from monet_cli.errors import FingerprintError
+from monet_cli.errors import CheckpointConflictError, FingerprintError
 from monet_cli.runtime.fingerprint import FirstForwardCheck
 from monet_cli.workload.step import make_out_of_place
 
@@ -39,6 +40,10 @@ def apply_schedule(model: nn.Module, schedule: Schedule | str | Path, *, check_f
         schedule = load_schedule(Path(schedule))
     if getattr(model, _APPLIED, None) is not None:
         raise FingerprintError("a monet schedule is already applied to this model")
+    refuse_existing_checkpointing(model)
+    model.register_forward_pre_hook(_refuse_on_training_forward)
+    if schedule.model.source == "hf":
+        _turn_off_kv_cache(model)
     if schedule.model.out_of_place_activations:
         make_out_of_place(model)
     modules = dict(model.named_modules())
@@ -61,6 +66,42 @@ def apply_schedule(model: nn.Module, schedule: Schedule | str | Path, *, check_f
 
 def applied_schedule(model: nn.Module) -> Schedule | None:
     return getattr(model, _APPLIED, None)
+
+
+def existing_checkpointing(model: nn.Module) -> str | None:
+    """Where the model already checkpoints activations itself, in words (None: nowhere)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
+    for name, module in model.named_modules():
+        where = f"'{name}'" if name else "the model"
+        if getattr(module, "gradient_checkpointing", False) is True:
+            return f"{where} has Hugging Face gradient checkpointing on: call model.gradient_checkpointing_disable()"
+        if getattr(module, "grad_checkpointing", False) is True:
+            return f"{where} has timm gradient checkpointing on: call model.set_grad_checkpointing(False)"
+        if isinstance(module, CheckpointWrapper):
+            return f"{where} is wrapped by torch's checkpoint_wrapper (apply_activation_checkpointing): remove it"
+    return None
+
+
+def refuse_existing_checkpointing(model: nn.Module) -> None:
+    problem = existing_checkpointing(model)
+    if problem is not None:
+        raise CheckpointConflictError(f"monet's schedule decides what is recomputed, but {problem}")
+
+
+def _refuse_on_training_forward(model: nn.Module, args: Any) -> None:
+    # Trainers switch checkpointing on after the model is built (TrainingArguments(gradient_checkpointing=True)).
+    if model.training and torch.is_grad_enabled():
+        refuse_existing_checkpointing(model)
+
+
+def _turn_off_kv_cache(model: nn.Module) -> None:
+    """hf: profiles train without a key/value cache; a recompute would fill one twice."""
+    config = getattr(model, "config", None)
+    if getattr(config, "use_cache", False):
+        warnings.warn("monet: setting model.config.use_cache = False for training, as the schedule was "
+                      "profiled without a key/value cache", stacklevel=3)
+        config.use_cache = False
 
 
 class _MachineryMarker:

@@ -1,4 +1,9 @@
-"""Check on the first forward that a model is the one a schedule was made for."""
+"""Check on the first forward that a model is the one a schedule was made for.
+
+The check sees through wrappers: DDP runs outside the model, and on modules FSDP2 manages
+the ops of its hooks (all-gather before the forward, reshard after it) are skipped, so a
+sharded model fingerprints like the unsharded one it was profiled as.
+"""
 
 from __future__ import annotations
 
@@ -30,52 +35,93 @@ def torch_version() -> str:
 class OpSequence(TorchDispatchMode):
     """Records (overload, module path, argument signature) of every forward op."""
 
-    def __init__(self, module_path: Any, skip: Any = None) -> None:
+    def __init__(self, stack: "ModuleStack", skip: Any = None) -> None:
         super().__init__()
-        self.module_path = module_path
+        self.stack = stack
         self.skip = skip
         self.ops: list[tuple[str, str, str]] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = str(func)
-        if name not in IGNORED_OPS and not (self.skip is not None and self.skip.active):
+        skipped = self.stack.in_wrapper_hook() or (self.skip is not None and self.skip.active)
+        if name not in IGNORED_OPS and not skipped:
             tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
-            self.ops.append((name, self.module_path(), signature(tensors)))
+            self.ops.append((name, self.stack.path(), signature(tensors)))
         return func(*args, **kwargs)
 
-    def fingerprint(self, device_type: str) -> Fingerprint:
+    def fingerprint(self, device_type: str, precision: str) -> Fingerprint:
         return Fingerprint(
             structure=structure_hash((op, module) for op, module, _ in self.ops),
             shapes=shapes_hash(sig for _, _, sig in self.ops),
             device_type=device_type,
             torch=torch_version(),
+            precision=precision,  # type: ignore[arg-type]
         )
 
 
+def runtime_precision(device_type: str) -> str:
+    """The precision a forward runs in right now, by its autocast state."""
+    if not torch.is_autocast_enabled(device_type):
+        return "32"
+    dtype = torch.get_autocast_dtype(device_type)
+    return {torch.bfloat16: "bf16-mixed", torch.float16: "fp16-mixed"}.get(dtype, f"autocast {dtype}")
+
+
+def _wrapped_modules(root: nn.Module) -> list[nn.Module]:
+    """Modules whose hooks run a wrapper's machinery (FSDP2's ``fully_shard``)."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # torch built without distributed
+        return []
+    return [m for m in root.modules() if isinstance(m, FSDPModule)]
+
+
 class ModuleStack:
-    """Tracks the innermost running module's path through global module hooks."""
+    """Tracks the innermost running module's path, and whether a wrapper's hooks are running.
+
+    Global hooks run outside every module hook. On a wrapped module, monet's own module
+    hooks sit just inside the wrapper's (FSDP2 prepends its pre-forward hook and appends its
+    post-forward one; monet appends a pre-hook and prepends a post-hook), so between the
+    global and monet's module hooks only the wrapper's machinery runs.
+    """
 
     def __init__(self, root: nn.Module) -> None:
         self.names = {id(m): name for name, m in root.named_modules()}
-        self.stack: list[str] = []
+        self.wrapped = _wrapped_modules(root)
+        self.stack: list[list[Any]] = []
+        """[module path, whether the module's wrapper hooks (not its forward) are running]"""
         self._handles: list[Any] = []
 
     def path(self) -> str:
-        return self.stack[-1] if self.stack else ""
+        return self.stack[-1][0] if self.stack else ""
+
+    def in_wrapper_hook(self) -> bool:
+        return bool(self.stack) and self.stack[-1][1]
 
     def __enter__(self) -> "ModuleStack":
+        wrapped = {id(m) for m in self.wrapped}
+
         def pre(module, args):
-            self.stack.append(self.names.get(id(module), f"<{type(module).__name__}>"))
+            self.stack.append([self.names.get(id(module), f"<{type(module).__name__}>"), id(module) in wrapped])
 
         def post(module, args, output):
             if self.stack:
                 self.stack.pop()
 
+        def body_starts(module, args):
+            self.stack[-1][1] = False
+
+        def body_ends(module, args, output):
+            self.stack[-1][1] = True
+
         self._handles = [
             nn.modules.module.register_module_forward_pre_hook(pre),
             nn.modules.module.register_module_forward_hook(post),
         ]
+        for module in self.wrapped:
+            self._handles.append(module.register_forward_pre_hook(body_starts))
+            self._handles.append(module.register_forward_hook(body_ends, prepend=True))
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -90,6 +136,8 @@ def mismatch(expected: Fingerprint, found: Fingerprint) -> str | None:
         return f"it was made on {expected.device_type}, this model runs on {found.device_type}"
     if expected.torch != found.torch:
         return f"it was made with torch {expected.torch}, this is torch {found.torch}"
+    if expected.precision != found.precision:
+        return f"it was made for precision {expected.precision}, this forward runs in {found.precision}"
     if expected.structure != found.structure:
         return "the model's ops differ (another model or architecture)"
     if expected.shapes != found.shapes:
@@ -105,7 +153,7 @@ class FirstForwardCheck:
         self.expected = expected
         self.skip = skip
         self.done = False
-        self._state: tuple[ModuleStack, OpSequence] | None = None
+        self._state: tuple[ModuleStack, OpSequence, dict[str, str]] | None = None
         self._handles: list[Any] = []
 
     def install(self) -> None:
@@ -118,15 +166,15 @@ class FirstForwardCheck:
         if self.done or not torch.is_grad_enabled() or not module.training:
             return
         stack = ModuleStack(self.model).__enter__()
-        stack.stack.append("")  # the pre-hook of the root already ran
-        sequence = OpSequence(stack.path, self.skip)
+        stack.stack.append(["", False])  # the root's pre-hooks already ran
+        sequence = OpSequence(stack, self.skip)
         sequence.__enter__()
-        self._state = (stack, sequence)
+        self._state = (stack, sequence, {kind: runtime_precision(kind) for kind in ("cpu", "cuda")})
 
     def _finish(self, module: nn.Module, args: Any, output: Any) -> None:
         if self._state is None:
             return
-        stack, sequence = self._state
+        stack, sequence, precision = self._state
         sequence.__exit__(None, None, None)
         stack.__exit__(None, None, None)
         self._state = None
@@ -134,7 +182,7 @@ class FirstForwardCheck:
         for handle in self._handles:
             handle.remove()
         device = _device_of(args, output)
-        problem = mismatch(self.expected, sequence.fingerprint(device))
+        problem = mismatch(self.expected, sequence.fingerprint(device, precision[device]))
         if problem:
             raise FingerprintError(f"schedule does not match this model: {problem}")
 

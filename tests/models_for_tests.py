@@ -37,3 +37,21 @@ class _Broken(nn.Module):
 
 def broken_model() -> nn.Module:
     return _Broken()
+
+
+def hf_gpt2(n_embd: int = 256, n_layer: int = 4) -> nn.Module:
+    """The real-models issue's GPT-2 reproduction: a plain transformers model (KV cache on by default)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    return GPT2LMHeadModel(GPT2Config(vocab_size=1000, n_positions=128, n_embd=n_embd, n_layer=n_layer, n_head=4))
+
+
+def hf_llama(hidden_size: int = 256, num_hidden_layers: int = 4) -> nn.Module:
+    """The real-models issue's LLaMA reproduction (it crashed in backward: SAC's slice not found in storage)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    return LlamaForCausalLM(LlamaConfig(
+        vocab_size=1000, hidden_size=hidden_size, intermediate_size=688 * hidden_size // 256,
+        num_hidden_layers=num_hidden_layers, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=128,
+    ))

@@ -66,6 +66,9 @@ def profile_report(profile: Profile, path: Path) -> dict[str, Any]:
         "memory": asdict(profile.memory),
         "forward_ops": len(profile.ops), "backward_ops": len(profile.backward),
         "segments": sum(c.checkpointable for c in profile.calls),
+        # Calls that run no ops would never be worth a segment: listing them is noise.
+        "not_checkpointable": [{"module": c.fqn or "<model>", "reason": c.reason} for c in profile.calls
+                               if c.reason and c.end_op > c.first_op],
         "top_memory_at_peak": top_holders(profile, {}),
         "slowest_ops": [{"index": op.index, "op": op.op, "module": op.module or LOSS_MODULE, "time_ms": op.time_ms}
                         for op in slow],

@@ -96,7 +96,7 @@ def profile_only(args: ProfileArgs):
 
 
 def run(args: ProfileArgs) -> None:
-    from monet_cli.cli.render import print_json, profile_summary, profile_table, stderr
+    from monet_cli.cli.render import print_json, profile_summary, profile_table, rerun_note, stderr
 
     spec, device = resolve(args)
     output = args.output or Path("configs") / f"{spec.name}.profile.yaml"
@@ -109,6 +109,9 @@ def run(args: ProfileArgs) -> None:
         from rich.console import Console
 
         Console().print(profile_table(profile, str(output)))
+    note = rerun_note(profile)
+    if note:
+        stderr.print(note, markup=False)
     stderr.print(f"[green]wrote[/green] {output}")
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import asdict
 from typing import Any
 
 from rich.console import Console
@@ -42,16 +43,34 @@ def profile_summary(profile: Profile, path: str) -> dict[str, Any]:
     }
 
 
+def describe_inputs(inputs: list[dict[str, Any]]) -> str:
+    """``input_ids 128 int64, labels int64`` (per sample; the batch dimension is left out)."""
+    parts = []
+    for spec in inputs:
+        words = [spec.get("name") or "", "x".join(map(str, spec["shape"])), spec.get("dtype", "float32")]
+        parts.append(" ".join(w for w in words if w))
+    return ", ".join(parts)
+
+
+def rerun_note(profile: Profile) -> str | None:
+    """One line when the rehearsal found module calls whose recompute would differ."""
+    differ = [c for c in profile.calls if c.reason.startswith("re-running")]
+    if not differ:
+        return None
+    return (f"note: {len(differ)} module call(s) cannot be checkpointed, e.g. {differ[0].fqn}: {differ[0].reason} "
+            "(monet inspect on the profile lists them all)")
+
+
 def profile_table(profile: Profile, path: str) -> Table:
     mem = profile.memory
     table = Table(title=f"monet profile: {profile.model.name}", show_header=False, title_justify="left")
     table.add_column("what", style="bold")
     table.add_column("value")
-    shapes = ", ".join("x".join(map(str, i.shape)) + f" {i.dtype}" for i in profile.model.inputs)
     rows = [
         ("model", f"{profile.model.spec} ({profile.model.target})"),
         ("device", f"{profile.device.type} ({profile.device.name})"),
-        ("batch", f"{profile.model.batch_size} x {shapes}"),
+        ("batch", f"{profile.model.batch_size} x {describe_inputs([asdict(i) for i in profile.model.inputs])}"),
+        ("precision", profile.model.precision),
         ("ops", f"{len(profile.ops)} forward, {len(profile.backward)} backward+optimizer"),
         ("segments", f"{sum(1 for c in profile.calls if c.checkpointable)} checkpointable module calls"),
         ("baseline peak", format_bytes(profile.baseline.peak_bytes) + f"  ({profile.baseline.meter})"),
@@ -109,7 +128,7 @@ def inspect_tables(report: dict[str, Any]) -> None:
     console = Console()
     model = report["model"]
     head = {"file": report["file"], "kind": report["kind"], "model": f"{model['spec']} ({model['target']})",
-            "batch": f"{model['batch_size']} x " + ", ".join("x".join(map(str, i["shape"])) for i in model["inputs"])}
+            "batch": f"{model['batch_size']} x {describe_inputs(model['inputs'])}", "precision": model["precision"]}
     if report["kind"] == "monet.profile":
         head.update({"device": f"{report['device']['type']} ({report['device']['name']})",
                      "torch": report["env"]["torch"], "baseline peak": format_bytes(report["baseline"]["peak_bytes"]),
@@ -134,6 +153,13 @@ def inspect_tables(report: dict[str, Any]) -> None:
             seg.add_row(s["module"], str(s["ops"]), ", ".join(s["kept"]) or "-", str(len(s["recomputed"])),
                         f"{s['recompute_ms']:.2f}")
         console.print(seg)
+    if report.get("not_checkpointable"):
+        blocked = Table(title="module calls monet will not checkpoint", title_justify="left")
+        blocked.add_column("module")
+        blocked.add_column("why")
+        for row in report["not_checkpointable"]:
+            blocked.add_row(row["module"], row["reason"])
+        console.print(blocked)
     if report.get("top_memory_at_peak"):
         top = Table(title="top memory holders at the peak", title_justify="left")
         for column in ("kind", "module", "size"):

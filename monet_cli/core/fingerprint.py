@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
+from typing import TypeVar
+
+from monet_cli.core.profile import LOSS_MODULE
+
+T = TypeVar("T")
 
 
 def _digest(lines: Iterable[str]) -> str:
@@ -22,3 +27,16 @@ def structure_hash(ops: Iterable[tuple[str, str]]) -> str:
 def shapes_hash(signatures: Iterable[str]) -> str:
     """Hash of the tensor argument shapes and dtypes per forward op: changes with the batch."""
     return _digest(signatures)
+
+
+def model_ops(ops: Sequence[T], module_of: Callable[[T], str]) -> list[T]:
+    """The forward ops a fingerprint covers: the model's computation without its loss.
+
+    A loss computed outside the model (monet's own, module ``<loss>``) is left out, and so
+    are the ops the model itself runs after its last submodule returns: a head's loss from
+    ``labels``, which training loops call differently (Hugging Face's Trainer passes
+    ``num_items_in_batch``, a plain loop does not). Segments never contain those ops.
+    """
+    inside = [op for op in ops if module_of(op) != LOSS_MODULE]
+    last = max((i for i, op in enumerate(inside) if module_of(op)), default=None)
+    return inside if last is None else inside[: last + 1]

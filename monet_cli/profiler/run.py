@@ -11,7 +11,7 @@ from collections.abc import Callable
 import torch
 
 from monet_cli import __version__
-from monet_cli.core.fingerprint import shapes_hash, structure_hash
+from monet_cli.core.fingerprint import model_ops, shapes_hash, structure_hash
 from monet_cli.core.profile import (
     LOSS_MODULE,
     PROFILE_KIND,
@@ -117,9 +117,9 @@ def build_profile(
         device=device_info(workload.device),
         env=env_info(),
         fingerprint=Fingerprint(
-            # Model ops only: apply() checks a user's model, which runs without our loss.
-            structure=structure_hash((op.op, op.module) for op in forward if op.module != LOSS_MODULE),
-            shapes=shapes_hash(op.signature for op in forward if op.module != LOSS_MODULE),
+            # apply() checks a user's model in the user's loop, which computes its own loss.
+            structure=structure_hash((op.op, op.module) for op in model_ops(forward, lambda op: op.module)),
+            shapes=shapes_hash(op.signature for op in model_ops(forward, lambda op: op.module)),
             device_type=workload.device.type,
             torch=torch.__version__.split("+")[0],
             precision=workload.spec.precision,

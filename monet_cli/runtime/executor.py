@@ -29,7 +29,7 @@ from torch.utils.checkpoint import (
 from monet_cli.core.schedule import Schedule, load_schedule
 from monet_cli.errors import CheckpointConflictError, FingerprintError
 from monet_cli.runtime.fingerprint import FirstForwardCheck
-from monet_cli.workload.step import make_out_of_place
+from monet_cli.workload.step import make_out_of_place, turn_off_kv_cache
 
 _APPLIED = "_monet_schedule"
 
@@ -42,8 +42,9 @@ def apply_schedule(model: nn.Module, schedule: Schedule | str | Path, *, check_f
         raise FingerprintError("a monet schedule is already applied to this model")
     refuse_existing_checkpointing(model)
     model.register_forward_pre_hook(_refuse_on_training_forward)
-    if schedule.model.source == "hf":
-        _turn_off_kv_cache(model)
+    if turn_off_kv_cache(model):
+        warnings.warn("monet: set model.config.use_cache = False for training, as transformers' own gradient "
+                      "checkpointing does: a recompute would fill the key/value cache twice", stacklevel=3)
     if schedule.model.out_of_place_activations:
         make_out_of_place(model)
     modules = dict(model.named_modules())
@@ -93,15 +94,6 @@ def _refuse_on_training_forward(model: nn.Module, args: Any) -> None:
     # Trainers switch checkpointing on after the model is built (TrainingArguments(gradient_checkpointing=True)).
     if model.training and torch.is_grad_enabled():
         refuse_existing_checkpointing(model)
-
-
-def _turn_off_kv_cache(model: nn.Module) -> None:
-    """hf: profiles train without a key/value cache; a recompute would fill one twice."""
-    config = getattr(model, "config", None)
-    if getattr(config, "use_cache", False):
-        warnings.warn("monet: setting model.config.use_cache = False for training, as the schedule was "
-                      "profiled without a key/value cache", stacklevel=3)
-        config.use_cache = False
 
 
 class _MachineryMarker:

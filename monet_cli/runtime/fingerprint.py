@@ -14,7 +14,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from monet_cli.core.fingerprint import shapes_hash, structure_hash
+from monet_cli.core.fingerprint import model_ops, shapes_hash, structure_hash
 from monet_cli.core.profile import Fingerprint
 from monet_cli.errors import FingerprintError
 
@@ -51,9 +51,10 @@ class OpSequence(TorchDispatchMode):
         return func(*args, **kwargs)
 
     def fingerprint(self, device_type: str, precision: str) -> Fingerprint:
+        ops = model_ops(self.ops, lambda op: op[1])
         return Fingerprint(
-            structure=structure_hash((op, module) for op, module, _ in self.ops),
-            shapes=shapes_hash(sig for _, _, sig in self.ops),
+            structure=structure_hash((op, module) for op, module, _ in ops),
+            shapes=shapes_hash(sig for _, _, sig in ops),
             device_type=device_type,
             torch=torch_version(),
             precision=precision,  # type: ignore[arg-type]
@@ -80,17 +81,18 @@ def _wrapped_modules(root: nn.Module) -> list[nn.Module]:
 class ModuleStack:
     """Tracks the innermost running module's path, and whether a wrapper's hooks are running.
 
-    Global hooks run outside every module hook. On a wrapped module, monet's own module
-    hooks sit just inside the wrapper's (FSDP2 prepends its pre-forward hook and appends its
-    post-forward one; monet appends a pre-hook and prepends a post-hook), so between the
-    global and monet's module hooks only the wrapper's machinery runs.
+    PyTorch runs global hooks before module hooks, before and after the forward. A wrapper
+    (FSDP2) prepends its pre-forward hook and appends its post-forward one; monet appends
+    one of each after it, so on a wrapped module only the wrapper's machinery runs between
+    the global pre-hook and monet's pre-hook, and between the global post-hook and monet's
+    post-hook. Ops there are not the model's.
     """
 
     def __init__(self, root: nn.Module) -> None:
         self.names = {id(m): name for name, m in root.named_modules()}
         self.wrapped = _wrapped_modules(root)
         self.stack: list[list[Any]] = []
-        """[module path, whether the module's wrapper hooks (not its forward) are running]"""
+        """[module path, whether its wrapper's hooks (not its forward) are running, id of the module]"""
         self._handles: list[Any] = []
 
     def path(self) -> str:
@@ -99,21 +101,32 @@ class ModuleStack:
     def in_wrapper_hook(self) -> bool:
         return bool(self.stack) and self.stack[-1][1]
 
+    def enter_root(self, root: nn.Module) -> None:
+        """The root's hooks already ran when checking starts from its pre-hook."""
+        self.stack.append(["", False, id(root)])
+
     def __enter__(self) -> "ModuleStack":
         wrapped = {id(m) for m in self.wrapped}
 
         def pre(module, args):
-            self.stack.append([self.names.get(id(module), f"<{type(module).__name__}>"), id(module) in wrapped])
+            name = self.names.get(id(module), f"<{type(module).__name__}>")
+            self.stack.append([name, id(module) in wrapped, id(module)])
 
         def post(module, args, output):
-            if self.stack:
+            if not self.stack:
+                return
+            if id(module) in wrapped:
+                self.stack[-1][1] = True  # the wrapper's post-hook comes next
+            else:
                 self.stack.pop()
 
         def body_starts(module, args):
-            self.stack[-1][1] = False
+            if self.stack and self.stack[-1][2] == id(module):
+                self.stack[-1][1] = False
 
-        def body_ends(module, args, output):
-            self.stack[-1][1] = True
+        def wrapper_done(module, args, output):
+            if self.stack and self.stack[-1][2] == id(module):
+                self.stack.pop()
 
         self._handles = [
             nn.modules.module.register_module_forward_pre_hook(pre),
@@ -121,7 +134,7 @@ class ModuleStack:
         ]
         for module in self.wrapped:
             self._handles.append(module.register_forward_pre_hook(body_starts))
-            self._handles.append(module.register_forward_hook(body_ends, prepend=True))
+            self._handles.append(module.register_forward_hook(wrapper_done))
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -166,7 +179,7 @@ class FirstForwardCheck:
         if self.done or not torch.is_grad_enabled() or not module.training:
             return
         stack = ModuleStack(self.model).__enter__()
-        stack.stack.append(["", False])  # the root's pre-hooks already ran
+        stack.enter_root(self.model)
         sequence = OpSequence(stack, self.skip)
         sequence.__enter__()
         self._state = (stack, sequence, {kind: runtime_precision(kind) for kind in ("cpu", "cuda")})

@@ -9,8 +9,7 @@
 
 ``--model-arg KEY=VALUE`` sets config fields (``hidden_size=256``). The model is trained
 the way people train it: it gets ``input_ids``, an all-ones ``attention_mask`` and
-``labels`` for its head, and returns its own loss. ``use_cache`` is off, as in any training
-loop: a key/value cache filled during the forward would be filled again by every recompute.
+``labels`` for its head, and returns its own loss.
 """
 
 from __future__ import annotations
@@ -100,8 +99,6 @@ def hf_config(model_class: str, fields: dict[str, Any]) -> Any:
         config = cls.config_class(**fields)
     except (TypeError, ValueError) as err:
         raise UsageError(f"hf:{model_class}: bad config: {err}") from None
-    if hasattr(config, "use_cache") and "use_cache" not in fields:
-        config.use_cache = False
     if getattr(config, "is_encoder_decoder", False) and getattr(config, "decoder_start_token_id", None) is None:
         # Published T5 configs start decoding at the pad token; a bare config may not say so.
         config.decoder_start_token_id = config.pad_token_id

@@ -73,6 +73,19 @@ def make_out_of_place(model: nn.Module) -> int:
     return changed
 
 
+def turn_off_kv_cache(model: nn.Module) -> bool:
+    """Train without a key/value cache (Hugging Face ``config.use_cache``); True if it was on.
+
+    A cache filled during the forward would be filled again by every recompute, so
+    transformers' own gradient checkpointing turns it off too. Training never reads it.
+    """
+    config = getattr(model, "config", None)
+    if getattr(config, "use_cache", False) is True:
+        config.use_cache = False
+        return True
+    return False
+
+
 def make_inputs(specs: tuple[InputSpec, ...], batch_size: int, device: torch.device, seed: int) -> tuple[torch.Tensor, ...]:
     generator = torch.Generator().manual_seed(seed + 1)
     tensors = []
@@ -293,11 +306,14 @@ class loss_scope:
 
 
 def build_workload(spec: ModelSpec, device: torch.device, *, prepare: bool = True) -> Workload:
-    """The model, data, loss and optimizer of ``spec``; ``prepare=False`` leaves the model
+    """The model, data, loss and optimizer of ``spec``, prepared as monet profiles and
+    applies (no KV cache, activations out of place); ``prepare=False`` leaves the model
     exactly as its factory built it (the unmodified baseline ``apply`` compares with)."""
     model = build_model(spec)
-    if prepare and spec.out_of_place_activations:
-        make_out_of_place(model)
+    if prepare:
+        turn_off_kv_cache(model)
+        if spec.out_of_place_activations:
+            make_out_of_place(model)
     model.to(device).train()
     inputs = make_inputs(spec.inputs, spec.batch_size, device, spec.seed)
     optimizer = make_optimizer(model, spec)

@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo demo-user test bench bench-smoke schedules venv clean
+.PHONY: demo demo-user test lint bench bench-smoke schedules venv clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -33,6 +33,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/solver_quality.py
 	$(BIN)/python bench/run.py
 	$(BIN)/python bench/report.py
+	$(BIN)/python bench/real_models.py
 
 bench-smoke: $(STAMP)
 	$(BIN)/python bench/run.py --smoke --out /tmp/monet-bench-smoke
@@ -48,6 +49,9 @@ schedules: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
+
+lint: $(STAMP)
+	$(BIN)/python -m ruff check .
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -45,10 +45,10 @@ from ortools.sat.python import cp_model  # noqa: E402
 
 from monet_cli.core.profile import InputSpec, Profile  # noqa: E402
 from monet_cli.core.segments import SegmentModel  # noqa: E402
-from monet_cli.core.solver.enumerate import all_plans  # noqa: E402
 from monet_cli.core.simulate import Plan, simulate  # noqa: E402
 from monet_cli.core.solver import search  # noqa: E402
 from monet_cli.core.solver.cpsat import add_hint, build_model, objective_us, step_costs  # noqa: E402
+from monet_cli.core.solver.enumerate import all_plans  # noqa: E402
 from monet_cli.core.solver.heuristics import best_heuristic  # noqa: E402
 from monet_cli.core.solver.search import Planner  # noqa: E402
 from monet_cli.profiler.run import profile_model  # noqa: E402
@@ -330,7 +330,7 @@ def scale_case(target_ops: int, *, time_limit_s: float, min_peak_limit_s: float,
         t0 = time.perf_counter()
         with incumbents(events, t0):
             outcome = planner.solve(budget, time_limit_s=time_limit_s, workers=workers, seed=0,
-                                    report=lambda m: messages.append((round(time.perf_counter() - t0, 3), m)))
+                                    report=lambda m, messages=messages, t0=t0: messages.append((round(time.perf_counter() - t0, 3), m)))
         cpu_s = cpu_seconds() - cpu0
         final_round = outcome.rounds
         first = events[0]["t_s"] if events else None

@@ -13,7 +13,7 @@ if TYPE_CHECKING:
     from monet_cli.core.schedule import Schedule
 
 
-def apply(model: "nn.Module", schedule: "Schedule | str | Path", *, check_fingerprint: bool = True) -> "nn.Module":
+def apply(model: nn.Module, schedule: Schedule | str | Path, *, check_fingerprint: bool = True) -> nn.Module:
     """Install a schedule on your own model (before DDP/FSDP wrapping) and return it.
 
     The training loop stays unchanged. The first training forward checks the model's

@@ -55,3 +55,81 @@ def hf_llama(hidden_size: int = 256, num_hidden_layers: int = 4) -> nn.Module:
         num_hidden_layers=num_hidden_layers, num_attention_heads=4, num_key_value_heads=2,
         max_position_embeddings=128,
     ))
+
+
+class _CacheBlock(nn.Module):
+    """Appends its keys to a cache shared by the model and reads all of it, like a KV cache."""
+
+    def __init__(self, cache: list) -> None:
+        super().__init__()
+        self.cache = cache
+        self.proj = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.cache.append(self.proj(x))
+        keys = torch.cat(self.cache, dim=1)  # a recompute in backward sees every block's entry
+        return x + torch.tanh(keys).mean(dim=1, keepdim=True)
+
+
+class CachingNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.cache: list = []
+        self.stem = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh())
+        self.blocks = nn.ModuleList(_CacheBlock(self.cache) for _ in range(2))
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.cache.clear()  # a fresh cache every forward, as transformers makes one per call
+        x = self.stem(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x).mean(dim=1)
+
+
+def caching_net() -> nn.Module:
+    """Input [N, T, 16]. Its blocks cannot be recomputed: a re-run reads a grown cache."""
+    return CachingNet()
+
+
+class _Counting(nn.Module):
+    """Scales by how often it ran: a re-run gives other values with the same ops."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+        self.proj = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return torch.tanh(self.proj(x)) * self.calls
+
+
+def counting_net() -> nn.Module:
+    """Input [N, 16]."""
+    return nn.Sequential(nn.Linear(16, 16), _Counting(), nn.Linear(16, 4))
+
+
+class _SharedLinear(nn.Module):
+    def forward(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(torch.nn.functional.linear(x, weight))
+
+
+class SharedWeightNet(nn.Module):
+    """One weight used by two modules. Under autocast the second use finds the cast in
+    autocast's cache; its recompute in backward (a fresh autocast) casts again."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(16, 16) / 4)
+        self.first = _SharedLinear()
+        self.second = _SharedLinear()
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.second(self.first(x, self.weight), self.weight))
+
+
+def shared_weight_net() -> nn.Module:
+    """Input [N, 16]."""
+    return SharedWeightNet()

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import small_spec
+
 from monet_cli.core.plan import build_schedule
 from monet_cli.core.schedule import SolverInfo
 from monet_cli.core.segments import SegmentModel
@@ -108,3 +108,27 @@ def test_batchnorm_state_stays_equal_over_steps():
         assert result.ok, result
     momenta = {m.momentum for m in scheduled.model.modules() if isinstance(m, torch.nn.BatchNorm2d)}
     assert momenta == {0.1}
+
+
+def test_precision_is_part_of_the_fingerprint():
+    """A schedule profiled under bf16 autocast refuses an fp32 forward, and holds under bf16."""
+    import monet_cli
+    from monet_cli.core.profile import InputSpec
+    from monet_cli.workload.step import build_workload
+
+    spec = resolve_model_spec("monet_cli.examples.models:tiny_gpt", Overrides(
+        batch_size=2, precision="bf16-mixed", inputs=(InputSpec(shape=(16,), dtype="int64", low=0, high=512),),
+        model_kwargs={"n_layers": 1}))
+    profile = profile_model(spec, CPU, steps=1)
+    assert profile.fingerprint.precision == "bf16-mixed"
+    model = SegmentModel(profile)
+    schedule = build_schedule(profile, next(iter(level_plans(model).values())), budget_bytes=1, budget_spec="1",
+                              solver=INFO, profile_sha256="", model=model)
+    bf16 = build_workload(spec, CPU)
+    monet_cli.apply(bf16.model, schedule)
+    bf16.forward_loss()  # runs under the spec's autocast: accepted
+    fp32 = build_workload(spec, CPU)
+    monet_cli.apply(fp32.model, schedule)
+    args, kwargs = fp32.call_args()
+    with pytest.raises(FingerprintError, match="precision bf16-mixed, this forward runs in 32"):
+        fp32.model(*args, **kwargs)

@@ -128,8 +128,9 @@ def test_unwritable_output(tmp_path: Path):
 
 
 def test_corrupt_profile_is_exit_6_with_file_and_key(tmp_path: Path):
-    from monet_cli.cli.errors import user_errors
     import typer
+
+    from monet_cli.cli.errors import user_errors
 
     bad = tmp_path / "bad.yaml"
     bad.write_text("schema_version: 99\nkind: monet.profile\n")

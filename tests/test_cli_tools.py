@@ -80,6 +80,10 @@ def test_inspect_profile_and_schedule(solved, tmp_path):
     data = json.loads(monet("inspect", str(root / "configs" / "skip.profile.yaml"), "--json").stdout)
     assert data["kind"] == "monet.profile" and data["top_memory_at_peak"]
     assert sum(r["bytes"] for r in data["top_memory_at_peak"]) <= data["baseline"]["peak_bytes"]
+    assert data["not_checkpointable"] == [{"module": "<model>", "reason": "the model itself: its inputs are the step's data"}]
+    human = monet("inspect", str(root / "configs" / "skip.profile.yaml"))  # the tables, not JSON
+    assert human.exit_code == 0, human.output
+    assert "top memory holders at the peak" in human.stdout and "module calls monet will not checkpoint" in human.stdout
     out = tmp_path / "t.html"
     result = monet("inspect", str(schedule), "--profile", str(root / "configs" / "skip.profile.yaml"),
                    "--timeline", str(out), "--json")
@@ -146,7 +150,7 @@ def test_same_inputs_give_the_same_schedule_file(solved, tmp_path):
         data["solver"].pop("time_s")
     a, b = (yaml.safe_load(t) for t in texts)
     assert a["content_sha256"] == b["content_sha256"]
-    strip = lambda t: [l for l in t.splitlines() if not l.startswith("created_at:") and "time_s:" not in l]  # noqa: E731
+    strip = lambda t: [line for line in t.splitlines() if not line.startswith("created_at:") and "time_s:" not in line]  # noqa: E731
     assert strip(texts[0]) == strip(texts[1])
 
 

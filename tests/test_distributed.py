@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import small_spec
+
 from monet_cli.core.plan import build_schedule
 from monet_cli.core.schedule import SolverInfo, save_schedule
 from monet_cli.core.segments import SegmentModel
@@ -57,7 +57,7 @@ def test_ddp_two_processes_same_gradients(tmp_path: Path):
 def test_fsdp2_three_steps_match_unscheduled(tmp_path: Path):
     """monet.apply before fully_shard: the fingerprint check sees through FSDP2's hooks (and still
     refuses another batch size), and training matches the unscheduled FSDP2 run bit for bit."""
-    from real_models import case_spec
+    from bench.real_models import case_spec
 
     _finest_schedule(case_spec("llama"), tmp_path / "fsdp.yaml")
     reports = _torchrun("fsdp_worker.py", tmp_path / "fsdp.yaml", tmp_path)

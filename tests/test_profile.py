@@ -5,8 +5,8 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-
 from conftest import small_spec
+
 from monet_cli.core.profile import dump_profile, load_profile, profile_from_data, save_profile
 from monet_cli.core.yamlio import load_yaml_file
 from monet_cli.profiler.capture import StepRecorder

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import small_spec
+
 from monet_cli.core.segments import SegmentModel
 from monet_cli.core.simulate import simulate
 from monet_cli.core.solver.enumerate import all_plans

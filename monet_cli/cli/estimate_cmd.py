@@ -17,6 +17,12 @@ ASSUMPTIONS = (
     "peaks are measured on the profiled device: live tensor storages on CPU, the caching allocator on CUDA; "
     "not included: the CUDA context, cuDNN/cuBLAS workspaces, allocator fragmentation, other processes"
 )
+SHARDING = (
+    "the profile describes one unsharded process; under FSDP2 each rank holds its share of parameters, "
+    "gradients and optimizer state (divided by the world size) plus the all-gathered parameters of the "
+    "layers running (one or two at a time), and the activations of its own batch: budgets and peaks here "
+    "do not model that"
+)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -33,6 +39,7 @@ class Estimate:
     verdict: str | None
     """fits, fits-with-schedule or does-not-fit (with --fits)."""
     assumptions: str = ASSUMPTIONS
+    sharding: str = SHARDING
 
 
 def is_profile_file(text: str) -> bool:

@@ -145,7 +145,7 @@ def inspect_tables(report: dict[str, Any]) -> None:
     for key, value in head.items():
         table.add_row(key, str(value))
     console.print(table)
-    if report.get("segments"):
+    if report["kind"] == "monet.schedule" and report["segments"]:  # a profile's "segments" is a count
         seg = Table(title="segments (checkpointed module calls)", title_justify="left")
         for column in ("module", "ops", "kept", "recomputed", "recompute ms"):
             seg.add_column(column)

@@ -3,21 +3,20 @@
 from __future__ import annotations
 
 import datetime as _dt
-from dataclasses import replace
 import os
 import platform
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 
 from monet_cli import __version__
 from monet_cli.core.fingerprint import model_ops, shapes_hash, structure_hash
 from monet_cli.core.profile import (
-    LOSS_MODULE,
     PROFILE_KIND,
     SCHEMA_VERSION,
-    Baseline,
     BackwardOp,
+    Baseline,
     DeviceInfo,
     EnvInfo,
     Fingerprint,

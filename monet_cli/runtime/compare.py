@@ -118,8 +118,9 @@ def run_apply(
     base_ms, sched_ms = [], []
     for i in range(steps):
         progress(f"timing steps ({i + 1}/{steps})")
-        base_ms.append(run_checked(lambda: baseline.timed_step(CHECK_SEED + 2 + i), "baseline step"))
-        sched_ms.append(run_checked(lambda: scheduled.timed_step(CHECK_SEED + 2 + i), "scheduled step"))
+        seed = CHECK_SEED + 2 + i
+        base_ms.append(run_checked(lambda: baseline.timed_step(seed), "baseline step"))  # noqa: B023 (called now)
+        sched_ms.append(run_checked(lambda: scheduled.timed_step(seed), "scheduled step"))  # noqa: B023
     return ApplyReport(
         budget_bytes=schedule.budget_bytes,
         predicted_peak_bytes=schedule.predicted.peak_bytes,

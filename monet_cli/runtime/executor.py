@@ -76,7 +76,8 @@ def existing_checkpointing(model: nn.Module) -> str | None:
     for name, module in model.named_modules():
         where = f"'{name}'" if name else "the model"
         if getattr(module, "gradient_checkpointing", False) is True:
-            return f"{where} has Hugging Face gradient checkpointing on: call model.gradient_checkpointing_disable()"
+            return (f"{where} has Hugging Face gradient checkpointing on: turn it off (model.gradient_checkpointing_disable(), "
+                    "or leave gradient_checkpointing out of TrainingArguments)")
         if getattr(module, "grad_checkpointing", False) is True:
             return f"{where} has timm gradient checkpointing on: call model.set_grad_checkpointing(False)"
         if isinstance(module, CheckpointWrapper):

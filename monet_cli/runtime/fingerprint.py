@@ -35,7 +35,7 @@ def torch_version() -> str:
 class OpSequence(TorchDispatchMode):
     """Records (overload, module path, argument signature) of every forward op."""
 
-    def __init__(self, stack: "ModuleStack", skip: Any = None) -> None:
+    def __init__(self, stack: ModuleStack, skip: Any = None) -> None:
         super().__init__()
         self.stack = stack
         self.skip = skip
@@ -105,7 +105,7 @@ class ModuleStack:
         """The root's hooks already ran when checking starts from its pre-hook."""
         self.stack.append(["", False, id(root)])
 
-    def __enter__(self) -> "ModuleStack":
+    def __enter__(self) -> ModuleStack:
         wrapped = {id(m) for m in self.wrapped}
 
         def pre(module, args):

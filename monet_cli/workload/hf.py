@@ -93,16 +93,29 @@ def _model_class(name: str) -> Any:
 
 def hf_config(model_class: str, fields: dict[str, Any]) -> Any:
     cls = _model_class(model_class)
-    fields = dict(fields)
-    fields.pop("model_type", None)
+    fields = {k: v for k, v in fields.items() if k != "model_type"}
+    _refuse_unknown_fields(cls.config_class, fields)
     try:
         config = cls.config_class(**fields)
-    except (TypeError, ValueError) as err:
-        raise UsageError(f"hf:{model_class}: bad config: {err}") from None
+    except Exception as err:  # transformers validates configs with its own exception types
+        raise UsageError(f"hf:{model_class}: bad config: {' '.join(str(err).split())[:300]}") from None
     if getattr(config, "is_encoder_decoder", False) and getattr(config, "decoder_start_token_id", None) is None:
         # Published T5 configs start decoding at the pad token; a bare config may not say so.
         config.decoder_start_token_id = config.pad_token_id
     return config
+
+
+def _refuse_unknown_fields(config_class: Any, fields: dict[str, Any]) -> None:
+    """transformers keeps any unknown keyword as an attribute: a typo would be silently ignored."""
+    known = set(config_class().to_dict()) | set(getattr(config_class, "attribute_map", {}))
+    known |= set(inspect.signature(config_class.__init__).parameters)
+    unknown = sorted(k for k in fields if k not in known and not hasattr(config_class, k))  # e.g. num_labels
+    if unknown:
+        import difflib
+
+        close = difflib.get_close_matches(unknown[0], sorted(known), n=1)
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        raise UsageError(f"{config_class.__name__} has no field '{unknown[0]}'{hint}")
 
 
 def build_hf_model(model_class: str, fields: dict[str, Any]) -> Any:

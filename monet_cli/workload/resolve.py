@@ -150,7 +150,7 @@ def _timm() -> Any:
     try:
         import timm
     except ImportError:
-        raise UsageError("timm: models need timm: pip install timm") from None
+        raise UsageError("timm: models need timm: pip install 'monet-cli[timm]'") from None
     return timm
 
 

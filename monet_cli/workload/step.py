@@ -18,8 +18,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from monet_cli.core.profile import LOSS_MODULE, PRECISIONS, InputSpec, ModelSpec
-from monet_cli.runtime.meter import Measurement, measure_step, preexisting_tensors
 from monet_cli.errors import DeviceError, ModelError, MonetError, UsageError
+from monet_cli.runtime.meter import Measurement, measure_step, preexisting_tensors
 from monet_cli.workload.resolve import build_model
 
 # Activation modules whose in-place mode stops a schedule from keeping their output.
@@ -120,14 +120,9 @@ def check_precision(precision: str) -> str:
     return precision
 
 
-def autocast_dtype(precision: str) -> torch.dtype | None:
-    """The autocast dtype of a precision (None: no autocast)."""
-    return {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}.get(precision)
-
-
 def precision_context(precision: str, device: torch.device) -> contextlib.AbstractContextManager:
     """Forward and loss run under autocast (as Lightning does); backward and the optimizer outside it."""
-    dtype = autocast_dtype(precision)
+    dtype = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}.get(precision)
     if dtype is None:
         return contextlib.nullcontext()
     return torch.autocast(device_type=device.type, dtype=dtype)

@@ -64,7 +64,8 @@ def model_fingerprint(schedule: Schedule, model_spec: str | None):
     spec = schedule.model
     if model_spec is not None:
         inputs = spec.inputs
-        spec = resolve_model_spec(model_spec, Overrides(batch_size=spec.batch_size, inputs=inputs, loss=spec.loss))
+        spec = resolve_model_spec(model_spec, Overrides(batch_size=spec.batch_size, inputs=inputs, loss=spec.loss,
+                                                        precision=spec.precision))
     device = resolve_device(schedule.fingerprint.device_type if torch.cuda.is_available() or
                             schedule.fingerprint.device_type == "cpu" else "cpu")
     workload = run_checked(lambda: build_workload(spec, device), "building the model")

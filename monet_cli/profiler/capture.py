@@ -131,6 +131,7 @@ class StepRecorder(LiveStorageMeter):
 
     # -- ops --------------------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.raise_deferred_interrupt()
         kwargs = kwargs or {}
         if str(func) in IGNORED_OPS:
             return func(*args, **kwargs)
@@ -306,6 +307,7 @@ class LifetimeRecorder(LiveStorageMeter):
             self.free[slot] = self.pos
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.raise_deferred_interrupt()
         kwargs = kwargs or {}
         if str(func) in IGNORED_OPS:
             return func(*args, **kwargs)

@@ -107,6 +107,8 @@ def build_profile(
     if lifetimes.ops != [op.op for op in forward]:
         raise ModelError("the model ran different ops in two forwards; monet needs the same ops every step")
     op_ms = timings.median_op_ms()
+    # apply() checks a user's model in the user's loop, which computes its own loss.
+    fingerprinted = model_ops(forward, lambda op: op.module)
     storages = _storage_records(recorder, lifetimes, len(forward))
     ops = _op_records(recorder, forward, storages, op_ms)
     return Profile(
@@ -116,9 +118,8 @@ def build_profile(
         device=device_info(workload.device),
         env=env_info(),
         fingerprint=Fingerprint(
-            # apply() checks a user's model in the user's loop, which computes its own loss.
-            structure=structure_hash((op.op, op.module) for op in model_ops(forward, lambda op: op.module)),
-            shapes=shapes_hash(op.signature for op in model_ops(forward, lambda op: op.module)),
+            structure=structure_hash((op.op, op.module) for op in fingerprinted),
+            shapes=shapes_hash(op.signature for op in fingerprinted),
             device_type=workload.device.type,
             torch=torch.__version__.split("+")[0],
             precision=workload.spec.precision,

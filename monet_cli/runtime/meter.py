@@ -34,6 +34,7 @@ class LiveStorageMeter(TorchDispatchMode):
         super().__init__()
         self.current_bytes = 0
         self.peak_bytes = 0
+        self.interrupted = False
         self._sizes: dict[int, int] = {}
 
     # -- registration -------------------------------------------------------------
@@ -64,11 +65,22 @@ class LiveStorageMeter(TorchDispatchMode):
         return storage_key(tensor) in self._sizes
 
     def _release(self, key: int) -> None:
-        nbytes = self._sizes.pop(key, None)
-        if nbytes is None:
-            return
-        self.current_bytes -= nbytes
-        self.on_free(key)
+        try:
+            nbytes = self._sizes.pop(key, None)
+            if nbytes is None:
+                return
+            self.current_bytes -= nbytes
+            self.on_free(key)
+        except KeyboardInterrupt:
+            # Python ignores exceptions raised in finalizers: a Ctrl-C landing here would be
+            # lost and the step would run on. Raise it again at the next op instead.
+            self.interrupted = True
+
+    def raise_deferred_interrupt(self) -> None:
+        """Called at every op: delivers a Ctrl-C that arrived while a storage was being freed."""
+        if self.interrupted:
+            self.interrupted = False
+            raise KeyboardInterrupt
 
     # -- extension points for the profiler's recorder -----------------------------
     def on_alloc(self, key: int, nbytes: int, kind: str, producer: int | None) -> None:
@@ -78,6 +90,7 @@ class LiveStorageMeter(TorchDispatchMode):
         """Called when a tracked storage is freed."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.raise_deferred_interrupt()
         kwargs = kwargs or {}
         self.track_unseen_inputs((args, kwargs))
         out = func(*args, **kwargs)

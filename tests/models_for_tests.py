@@ -133,3 +133,39 @@ class SharedWeightNet(nn.Module):
 def shared_weight_net() -> nn.Module:
     """Input [N, 16]."""
     return SharedWeightNet()
+
+
+class _Shift(nn.Module):
+    """Saves no input for backward (an add, then tanh which keeps its output)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bias = nn.Parameter(torch.zeros(16))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(x + self.bias)
+
+
+class InPlaceAfterNet(nn.Module):
+    """``first``'s output is written in place after it returns (ResNet's ``out += identity``):
+    fine to recompute. ``second``'s input is written after it ran: checkpointed, its backward
+    fails ("modified by an inplace operation"), as checkpoint keeps the input it will re-run from."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(16, 16)
+        self.second = _Shift()
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.first(x)
+        out += x
+        hidden = out * 3
+        y = self.second(hidden)
+        hidden.mul_(2)
+        return self.head(y + hidden)
+
+
+def in_place_after_net() -> nn.Module:
+    """Input [N, 16]."""
+    return InPlaceAfterNet()

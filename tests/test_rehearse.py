@@ -80,3 +80,10 @@ def test_exact_recomputes_keep_every_call(model: str, shape):
         spec = small_spec(model, shape=shape)
     profile = profile_model(spec, CPU, steps=1)
     assert not [c.fqn for c in profile.calls if c.reason.startswith("re-running")]
+
+
+def test_writes_after_the_call_are_told_apart():
+    """An output written in place later is no reason to refuse a call; an input written later is."""
+    reasons = _reasons(_profile("in_place_after_net", (16,)))
+    assert reasons["first"] == ""
+    assert reasons["second"].startswith("re-running its forward gives other values"), reasons["second"]

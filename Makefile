@@ -32,6 +32,7 @@ bench: $(STAMP)
 	$(BIN)/python -m pip install --quiet -e '.[test,bench]'
 	$(BIN)/python bench/solver_quality.py
 	$(BIN)/python bench/run.py
+	$(BIN)/python bench/scale.py
 	$(BIN)/python bench/report.py
 	$(BIN)/python bench/real_models.py
 

@@ -321,7 +321,7 @@ def scale_case(target_ops: int, *, time_limit_s: float, min_peak_limit_s: float,
     rows = []
     for frac in SCALE_FRACTIONS:
         budget = int(minimum.peak_bytes + frac * (baseline - minimum.peak_bytes))
-        _, heuristic, heuristic_fits = best_heuristic(model, budget)
+        _, heuristic, heuristic_fits = best_heuristic(planner.linear, budget)
         heuristic_ms = simulate(profile, heuristic, model=model).added_ms if heuristic_fits else None
         events: list[dict[str, Any]] = []
         messages: list[tuple[float, str]] = []

@@ -16,5 +16,5 @@ def test_bench_smoke(tmp_path: Path):
     assert {"baseline", "pytorch", "monet"} <= kinds
     monet = [p for p in result["points"] if p["kind"] == "monet"]
     assert monet and all(p["within_budget"] and abs(p["prediction_error"]) <= 0.02 for p in monet)
-    text = render([result], None, tmp_path / "img")
+    text = render([result], None, None, tmp_path / "img")
     assert "| monet 90% |" in text and "Targets:" in text

@@ -122,7 +122,7 @@ def test_no_solution_in_time_is_exit_4(solved, monkeypatch):
     root, _ = solved
     monkeypatch.setattr(search, "solve_model", lambda *a, **k: CpResult(status="UNKNOWN", plan=None, objective=None,
                                                                           bound=None, wall_s=0.0))
-    monkeypatch.setattr(search, "best_heuristic", lambda model, budget: ("none", {}, False))
+    monkeypatch.setattr(search, "best_heuristic", lambda linear, budget: ("none", {}, False))
     result = monet("solve", str(root / "configs" / "skip.profile.yaml"), "--budget", "99%", "--workers", "1",
                    "-o", str(root / "none.yaml"))
     assert result.exit_code == 4, result.stderr

@@ -76,3 +76,17 @@ def test_linear_model_is_exact_for_single_segments(enumerable):
             mask = linear.active_mask(plan)
             assert (exact[mask] == predicted[mask]).all()
             assert exact.max() == simulate(profile, plan, model=model).peak_bytes
+
+
+def test_delta_rows_equal_whole_step_simulations(resnet18_profile):
+    """The linear model's rows come from the storages each segment touches; they must equal the
+    difference of two whole-step simulations, for every segment and every keep."""
+    from monet_cli.core.solver.linear import LinearMemory
+
+    model = SegmentModel(resnet18_profile)
+    linear = LinearMemory(model)
+    for call, seg in model.segments.items():
+        bare = linear.live({call: frozenset()})
+        assert (linear.seg_delta[call] == bare - linear.base).all(), seg.fqn
+        for i in seg.candidates:
+            assert (linear.keep_delta[(call, i)] == linear.live({call: frozenset({i})}) - bare).all(), (seg.fqn, i)

@@ -151,23 +151,26 @@ class SegmentModel:
     def overlaps(self, a: int, b: int) -> bool:
         return a in self.ancestors[b] or b in self.ancestors[a]
 
-    def chosen_segment_of_pack(self, plan: dict[int, frozenset[int]]) -> list[int | None]:
-        """For each pack, the chosen segment it was made in (None if none)."""
-        owner: list[int | None] = []
-        for pack in self.profile.packs:
-            found = None
-            if pack.call is not None:
-                for call in self.ancestors[pack.call]:
-                    if call in plan:
-                        found = call
-                        break
-            owner.append(found)
-        return owner
+    def chosen_segment_of_pack(self, plan: dict[int, frozenset[int]]) -> dict[int, int]:
+        """Pack index -> the chosen segment it was made in (packs outside every segment are absent).
 
-    def chosen_segment_of_op(self, plan: dict[int, frozenset[int]]) -> list[int | None]:
-        owner: list[int | None] = [None] * len(self.profile.ops)
+        Chosen segments never nest, so each pack has at most one."""
+        return {p: call for call in plan for p in self.packs_by_call.get(call, ())}
+
+    def chosen_segment_of_op(self, plan: dict[int, frozenset[int]]) -> dict[int, int]:
+        """Forward op index -> the chosen segment running it."""
+        owner: dict[int, int] = {}
         for call in plan:
             seg = self.segments[call]
-            for index in range(seg.first_op, seg.end_op):
-                owner[index] = call
+            owner.update(dict.fromkeys(range(seg.first_op, seg.end_op), call))
         return owner
+
+    def touched_storages(self, call_index: int) -> list[int]:
+        """Storages whose memory events checkpointing this call can move: its ops' outputs, what
+        autograd saves inside it, and its arguments (held by checkpoint); the rest keep their
+        events whatever is chosen for this call."""
+        seg = self.segments[call_index]
+        touched = {sid for op in range(seg.first_op, seg.end_op) for sid in self.outputs_by_op.get(op, ())}
+        touched.update(self.profile.packs[p].storage for p in seg.packs)
+        touched.update(self.profile.calls[call_index].inputs)
+        return sorted(touched)

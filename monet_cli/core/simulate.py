@@ -51,6 +51,35 @@ def memory_events(model: SegmentModel, plan: Plan) -> list[tuple[Key, int]]:
     return _events(model, plan).items
 
 
+def segment_delta_events(model: SegmentModel, call: int, kept: frozenset[int]) -> list[tuple[Key, int]]:
+    """``memory_events({call: kept})`` minus ``memory_events({})``, computed from the storages
+    that checkpointing ``call`` can move (the others cancel): what the solver's linear model
+    needs for every segment and keep, without simulating the whole step each time."""
+    plan = {call: kept}
+    _check_plan(model, plan)
+    chosen, empty = _Events(model, plan), _Events(model, {})
+    for sid in model.touched_storages(call):
+        storage = model.profile.storages[sid]
+        chosen.add_storage(storage)
+        empty.add_storage(storage)
+    chosen.add_burst(call)
+    return chosen.items + [(key, -delta) for key, delta in empty.items]
+
+
+def keep_delta_events(model: SegmentModel, call: int, op: int) -> list[tuple[Key, int]]:
+    """``memory_events({call: {op}})`` minus ``memory_events({call: set()})``: keeping one op's
+    output moves only that output's events and drops its re-run from the burst."""
+    _check_plan(model, {call: frozenset({op})})
+    kept, bare = _Events(model, {call: frozenset({op})}), _Events(model, {call: frozenset()})
+    for sid in model.outputs_by_op.get(op, ()):
+        storage = model.profile.storages[sid]
+        kept.add_storage(storage)
+        bare.add_storage(storage)
+    if model.segments[call].burst_pos is not None and op < model.segments[call].stop:
+        bare.add_rerun(call, op)
+    return kept.items + [(key, -delta) for key, delta in bare.items]
+
+
 def burst_key(model: SegmentModel, call: int, op: int, sub: int) -> Key:
     """Event key of op ``op`` inside segment ``call``'s recompute burst."""
     seg = model.segments[call]
@@ -130,10 +159,10 @@ class _Events:
         if s.kind != "activation" or s.producer is None:
             self.span(alloc, baseline_free, s.bytes, s.id)
             return
-        owner = self.op_owner[s.producer] if s.producer < len(self.op_owner) else None
+        owner = self.op_owner.get(s.producer)
         kept = owner is not None and s.producer in self.plan[owner]
         packs = self.model.packs_by_storage.get(s.id, [])
-        if not kept and not any(self.pack_owner[p] is not None for p in packs):
+        if not kept and not any(p in self.pack_owner for p in packs):
             free = baseline_free
         else:
             free = self._original_free(s, owner, kept, packs, baseline_free)
@@ -146,7 +175,7 @@ class _Events:
         holds: list[Key] = [python_end]
         copy_holds: list[Key] = []
         for p in packs:
-            segment = self.pack_owner[p]
+            segment = self.pack_owner.get(p)
             release: Key = (self.model.release(p), 0)
             if segment is None:
                 holds.append(release)
@@ -168,21 +197,24 @@ class _Events:
         seg = self.model.segments[call]
         if seg.burst_pos is None:
             return
-        kept = self.plan[call]
-        storages = self.model.profile.storages
         for op in range(seg.first_op, seg.stop):
-            if op in kept:
-                continue
-            for sid in self.model.outputs_by_op.get(op, []):
-                s = storages[sid]
-                alloc = self.burst_key(call, op, 1)
-                if sid in self.copies:
-                    free = self.copy_free[sid]
-                elif s.free_no_autograd is not None and s.free_no_autograd < seg.stop:
-                    free = self.burst_key(call, s.free_no_autograd, 0)
-                else:
-                    free = self.burst_end(call)
-                self.span(alloc, free, s.bytes, sid, recomputed=True)
+            if op not in self.plan[call]:
+                self.add_rerun(call, op)
+
+    def add_rerun(self, call: int, op: int) -> None:
+        """The outputs op ``op`` makes again in segment ``call``'s recompute burst."""
+        seg = self.model.segments[call]
+        storages = self.model.profile.storages
+        for sid in self.model.outputs_by_op.get(op, []):
+            s = storages[sid]
+            alloc = self.burst_key(call, op, 1)
+            if sid in self.copies:
+                free = self.copy_free[sid]
+            elif s.free_no_autograd is not None and s.free_no_autograd < seg.stop:
+                free = self.burst_key(call, s.free_no_autograd, 0)
+            else:
+                free = self.burst_end(call)
+            self.span(alloc, free, s.bytes, sid, recomputed=True)
 
 
 def _events(model: SegmentModel, plan: Plan) -> _Events:

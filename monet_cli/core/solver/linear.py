@@ -7,7 +7,8 @@ bytes at each point of the step as
 
 where x_c chooses segment c (nothing kept) and k_ci keeps op i inside c. Each delta row
 is the simulator's own difference between a one-segment plan and the empty plan (or a
-one-keep plan and the bare segment), so the model is exact for single segments; for
+one-keep plan and the bare segment), computed from only the storages that segment or keep
+can move, so the model is exact for single segments; for
 several segments interactions are not captured, which is why every solution is checked
 by the simulator again and the loop adds what it missed.
 
@@ -23,7 +24,7 @@ from functools import cached_property
 import numpy as np
 
 from monet_cli.core.segments import SegmentModel
-from monet_cli.core.simulate import Key, Plan, burst_key, memory_events
+from monet_cli.core.simulate import Key, Plan, burst_key, keep_delta_events, memory_events, segment_delta_events
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -75,7 +76,10 @@ class LinearMemory:
     # -- rows ---------------------------------------------------------------------------
     def live(self, plan: Plan) -> np.ndarray:
         """Live bytes at every point under ``plan`` (exact simulator numbers)."""
-        events = memory_events(self.model, plan)
+        return self._at_points(memory_events(self.model, plan))
+
+    def _at_points(self, events: list[tuple[Key, int]]) -> np.ndarray:
+        """The running sum of ``events`` read at every point."""
         codes = np.fromiter((self.encode(k) for k, _ in events), dtype=np.int64, count=len(events))
         deltas = np.fromiter((d for _, d in events), dtype=np.int64, count=len(events))
         order = np.argsort(codes, kind="stable")
@@ -89,15 +93,14 @@ class LinearMemory:
 
     @cached_property
     def seg_delta(self) -> dict[int, np.ndarray]:
-        return {c: self.live({c: frozenset()}) - self.base for c in self.model.segments}
+        return {c: self._at_points(segment_delta_events(self.model, c, frozenset())) for c in self.model.segments}
 
     @cached_property
     def keep_delta(self) -> dict[tuple[int, int], np.ndarray]:
         rows = {}
         for c, seg in self.model.segments.items():
-            bare = self.base + self.seg_delta[c]
             for i in seg.candidates:
-                rows[(c, i)] = self.live({c: frozenset({i})}) - bare
+                rows[(c, i)] = self._at_points(keep_delta_events(self.model, c, i))
         return rows
 
     def predict(self, plan: Plan) -> np.ndarray:

@@ -1,9 +1,13 @@
 """The solve loop: heuristic warm start, CP-SAT, and the simulator as the final judge.
 
-CP-SAT optimises the linear memory model. Its answer is simulated; when the simulator
-finds a point over budget that the linear model missed (segments interacting), that
-point's row gets the missing bytes as a cut and CP-SAT runs again, warm-started. A plan
-is only ever returned when the simulator says it fits.
+CP-SAT optimises the linear memory model, whose rows are added lazily: it starts from the
+rows where the step's memory is highest, and each answer is simulated. Rows the answer
+violates join the model (the most violated first), and where the simulator finds a point
+over budget that the linear model missed (segments interacting), that point's row gets
+the missing bytes as a cut; then CP-SAT runs again, warm-started. The optimum of a model
+with fewer rows is a lower bound, so an answer that the simulator accepts is optimal
+when CP-SAT proved it optimal for the rows it had. A plan is only ever returned when the
+simulator says it fits.
 """
 
 from __future__ import annotations
@@ -21,7 +25,9 @@ from monet_cli.core.solver.cpsat import MemoryRow, add_hint, build_model, memory
 from monet_cli.core.solver.heuristics import best_heuristic
 from monet_cli.core.solver.linear import LinearMemory
 
-MAX_ROUNDS = 8
+MAX_ROUNDS = 40
+LAZY_ROWS = 64
+"""Rows the model starts with, and at most this many more per round."""
 Report = Callable[[str], None]
 
 
@@ -80,10 +86,10 @@ class Planner:
             result = simulate(self.profile, {}, model=self.model)
             if result.peak_bytes <= budget_bytes:
                 return self._outcome({}, result, "OPTIMAL", "no-checkpointing", 0.0, 0.0, start, 0)
-        name, heuristic, fits = best_heuristic(self.model, budget_bytes)
+        name, heuristic, fits = best_heuristic(self.linear, budget_bytes)
         report(f"warm start: {name} ({'fits' if fits else 'over budget'})")
         best = (heuristic, simulate(self.profile, heuristic, model=self.model)) if fits else None
-        rows = list(self.rows)
+        rows = self._highest_rows()
         status, objective, bound, rounds = "UNKNOWN", None, None, 0
         for rounds in range(1, MAX_ROUNDS + 1):
             remaining = time_limit_s - (time.perf_counter() - start)
@@ -103,9 +109,12 @@ class Planner:
                 objective, bound = cp_result.objective, cp_result.bound
                 best = (cp_result.plan, result)
                 break
-            report(f"round {rounds}: simulated peak {result.peak_bytes} over budget; adding cuts")
-            rows = self._add_cuts(rows, cp_result.plan, budget_bytes)
+            added = self._violated_rows(rows, cp_result.plan, budget_bytes)
+            report(f"round {rounds}: simulated peak {result.peak_bytes} over budget; {len(added)} more rows")
             status = "UNKNOWN"
+            if not added:
+                break
+            rows = rows + added
         if best is None:
             return self._outcome(None, None, "INFEASIBLE" if status == "INFEASIBLE" else "UNKNOWN",
                                  "cp-sat", None, None, start, rounds)
@@ -114,13 +123,25 @@ class Planner:
             return self._outcome(plan, result, "FEASIBLE", f"heuristic ({name})", result.added_ms, None, start, rounds)
         return self._outcome(plan, result, status, "cp-sat", objective / 1000, bound / 1000, start, rounds)
 
-    def _add_cuts(self, rows: list[MemoryRow], plan: Plan, budget_bytes: int) -> list[MemoryRow]:
-        """One more row for every point where the simulator puts ``plan`` over budget but the
-        linear model did not: the missing bytes become that row's slack (a cut)."""
+    def _highest_rows(self) -> list[MemoryRow]:
+        """Where the lazy model starts: the rows at the highest memory of the unscheduled step."""
+        return sorted(self.rows, key=lambda row: -row.base)[:LAZY_ROWS]
+
+    def _violated_rows(self, rows: list[MemoryRow], plan: Plan, limit_bytes: int) -> list[MemoryRow]:
+        """Rows ``plan`` puts over ``limit_bytes``: missing rows of the linear model, most
+        violated first, and cuts where the simulator counts more than the linear model (the
+        missing bytes become the row's slack)."""
         exact = self.linear.live(plan)
         predicted = self.linear.predict(plan)
-        violated = self.linear.active_mask(plan) & (exact > budget_bytes) & (exact > predicted)
-        return rows + [row_at(self.linear, int(j), int(exact[j] - predicted[j])) for j in np.flatnonzero(violated)]
+        active = self.linear.active_mask(plan)
+        present = {row.point for row in rows}
+        missing = [row for row in self.rows if row.point not in present and active[row.point]
+                   and max(exact[row.point], predicted[row.point]) > limit_bytes]
+        missing.sort(key=lambda row: -max(exact[row.point], predicted[row.point]))
+        under = np.flatnonzero(active & (exact > limit_bytes) & (exact > predicted))
+        under = under[np.argsort(-exact[under], kind="stable")][:LAZY_ROWS]
+        cuts = [row_at(self.linear, int(j), int(exact[j] - predicted[j])) for j in under]
+        return missing[:LAZY_ROWS] + cuts
 
     def _outcome(self, plan, result, status, method, objective, bound, start, rounds) -> SolveOutcome:
         gap = None
@@ -132,14 +153,29 @@ class Planner:
         )
 
     def minimum_peak(self, *, time_limit_s: float, workers: int, seed: int) -> MinimumPeak:
-        """The lowest simulated peak found: CP-SAT minimising the peak, checked by simulation."""
-        candidates: list[Plan] = [{}]
-        cp, variables = build_model(self.model, self.rows, budget_bytes=None, min_peak=True)
-        cp_result = solve_model(cp, variables, time_limit_s=time_limit_s, workers=workers, seed=seed)
-        if cp_result.plan is not None:
+        """The lowest simulated peak found: CP-SAT minimising the peak of the lazily grown
+        linear model, each answer checked by simulation, and the heuristic's lowest plan."""
+        start = time.perf_counter()
+        _, heuristic, _ = best_heuristic(self.linear, 0)
+        candidates: list[Plan] = [{}, heuristic]
+        rows = self._highest_rows()
+        for _ in range(MAX_ROUNDS):
+            remaining = time_limit_s - (time.perf_counter() - start)
+            if remaining <= 0.05:
+                break
+            cp, variables = build_model(self.model, rows, budget_bytes=None, min_peak=True)
+            add_hint(cp, variables, heuristic)
+            cp_result = solve_model(cp, variables, time_limit_s=remaining, workers=workers, seed=seed)
+            if cp_result.plan is None:
+                break
             candidates.append(cp_result.plan)
-        _, heuristic, _ = best_heuristic(self.model, 0)
-        candidates.append(heuristic)
+            # The model's own peak for this answer: the highest of the rows it had.
+            predicted = self.linear.predict(cp_result.plan)
+            relaxed = max(int(predicted[row.point]) + row.slack for row in rows)
+            added = self._violated_rows(rows, cp_result.plan, relaxed)
+            if not added:
+                break
+            rows = rows + added
         scored = [(simulate(self.profile, p, model=self.model).peak_bytes, i) for i, p in enumerate(candidates)]
         peak, index = min(scored)
         plan = candidates[index]

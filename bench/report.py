@@ -188,6 +188,7 @@ def scale_table(scale: dict[str, Any]) -> str:
     lines = [
         "`bench/scale.py`: Hugging Face decoders, hidden 128, batch 4 x 64 tokens. Solve = planner set-up (linear",
         "memory model) plus the solve loop (warm start, CP-SAT on lazily added rows, simulator checks), budget 60%.",
+        "INFEASIBLE means CP-SAT proved 60% below the smallest peak any schedule reaches at that depth.",
         "",
         "| family | layers | forward ops | segments | keep candidates | profile | set-up | solve loop | solve total | status | gap |",
         "|---|---|---|---|---|---|---|---|---|---|---|",

@@ -276,7 +276,7 @@ def reference_optimum(planner: Planner, budget_bytes: int, hint: Plan, *, time_l
     needed no cut rounds this is the optimum of exactly the problem it solved; with cuts
     it is a lower bound (cuts only tighten rows).
     """
-    cp, variables = build_model(planner.model, planner.rows, budget_bytes=budget_bytes)
+    cp, variables = build_model(planner.model, planner.all_rows(), budget_bytes=budget_bytes)
     add_hint(cp, variables, hint)
     solver = cp_model.CpSolver()
     solver.parameters.max_time_in_seconds = time_limit_s
@@ -316,7 +316,7 @@ def scale_case(target_ops: int, *, time_limit_s: float, min_peak_limit_s: float,
     # What CP-SAT's bound is with no reasoning at all: every keep saving taken, no segment paid.
     trivial_bound_ms = -sum(step_costs(model).keep_saving.values()) / 1000
     log(f"  chain n_blocks={n_blocks}: {len(profile.ops)} forward ops (target {target_ops}), "
-        f"{len(model.segments)} segments, {len(planner.rows)} memory rows; min peak {minimum.peak_bytes} "
+        f"{len(model.segments)} segments, {len(planner.pool)} memory rows; min peak {minimum.peak_bytes} "
         f"of baseline {baseline} ({min_peak_s:.1f}s)")
     rows = []
     for frac in SCALE_FRACTIONS:
@@ -389,7 +389,7 @@ def scale_case(target_ops: int, *, time_limit_s: float, min_peak_limit_s: float,
         "ops": len(profile.ops),
         "segments": len(model.segments),
         "keep_candidates": sum(len(s.candidates) for s in model.segments.values()),
-        "memory_rows": len(planner.rows),
+        "memory_rows": len(planner.pool),
         "forward_ms": round(sum(op.time_ms for op in profile.ops), 3),
         "baseline_peak_bytes": baseline,
         "min_peak_bytes": minimum.peak_bytes,

@@ -15,7 +15,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import numpy as np
 from ortools.sat.python import cp_model
 
 from monet_cli.core.segments import SegmentModel
@@ -79,32 +78,9 @@ def objective_us(costs: Costs, plan: Plan) -> int:
     )
 
 
-def memory_rows(linear: LinearMemory) -> list[MemoryRow]:
-    """One row per distinct coefficient pattern, keeping the point with the largest base.
-
-    Between two events of any delta row the coefficients do not change, so only the
-    highest baseline point of each run can bind: dropping the rest loses nothing.
-    """
-    seg_ids = list(linear.seg_delta)
-    keep_ids = list(linear.keep_delta)
-    seg_matrix = np.stack([linear.seg_delta[c] for c in seg_ids], axis=1) if seg_ids else None
-    keep_matrix = np.stack([linear.keep_delta[k] for k in keep_ids], axis=1) if keep_ids else None
-    best: dict[tuple, int] = {}
-    for j, point in enumerate(linear.points):
-        pattern = (
-            point.burst_of,
-            seg_matrix[j].tobytes() if seg_matrix is not None else b"",
-            keep_matrix[j].tobytes() if keep_matrix is not None else b"",
-        )
-        if pattern not in best or linear.base[j] > linear.base[best[pattern]]:
-            best[pattern] = j
-    return [row_at(linear, j) for j in sorted(best.values())]
-
-
 def row_at(linear: LinearMemory, j: int, slack: int = 0) -> MemoryRow:
     """The memory constraint of point ``j``."""
-    seg_coefs = {c: int(row[j]) for c, row in linear.seg_delta.items() if row[j] != 0}
-    keep_coefs = {k: int(row[j]) for k, row in linear.keep_delta.items() if row[j] != 0}
+    seg_coefs, keep_coefs = linear.coefficients_at(j)
     return MemoryRow(point=j, base=int(linear.base[j]), seg_coefs=seg_coefs, keep_coefs=keep_coefs,
                      burst_of=linear.points[j].burst_of, slack=slack)
 

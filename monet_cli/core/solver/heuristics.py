@@ -42,7 +42,7 @@ def greedy_keeps(linear: LinearMemory, plan: Plan, budget_bytes: int) -> Plan:
     live = np.where(active, linear.predict(plan), 0)
     added: list[tuple[int, int]] = []
     for _, c, i in candidates:
-        trial = live + np.where(active, linear.keep_delta[(c, i)], 0)
+        trial = live + np.where(active, linear.keep_delta[(c, i)].dense(len(live)), 0)
         if trial.max() <= budget_bytes:
             live = trial
             added.append((c, i))

@@ -34,6 +34,37 @@ class Point:
     """The segment whose recompute burst this point is in (None: the main timeline)."""
 
 
+@dataclass(frozen=True, slots=True)
+class StepRow:
+    """A delta row stored by its changes, so memory stays linear in the step's length:
+    ``values[k]`` holds from point ``at[k]`` up to ``at[k + 1]``, and 0 before ``at[0]``."""
+
+    at: np.ndarray
+    values: np.ndarray
+
+    @property
+    def support(self) -> tuple[int, int]:
+        """[first, end) of the points where the row may be non-zero (end -1: to the last point)."""
+        if not len(self.at):
+            return 0, 0
+        return int(self.at[0]), int(self.at[-1]) if self.values[-1] == 0 else -1
+
+    def add_to(self, out: np.ndarray) -> None:
+        """``out += row`` for a dense ``out`` over every point."""
+        steps = np.zeros(len(out) + 1, dtype=np.int64)
+        steps[self.at] = np.diff(self.values, prepend=0)
+        out += np.cumsum(steps[:-1])
+
+    def dense(self, n: int) -> np.ndarray:
+        out = np.zeros(n, dtype=np.int64)
+        self.add_to(out)
+        return out
+
+    def value_at(self, j: int) -> int:
+        k = int(np.searchsorted(self.at, j, side="right")) - 1
+        return 0 if k < 0 else int(self.values[k])
+
+
 class LinearMemory:
     """base, per-segment and per-keep delta rows over every point of the step."""
 
@@ -78,6 +109,20 @@ class LinearMemory:
         """Live bytes at every point under ``plan`` (exact simulator numbers)."""
         return self._at_points(memory_events(self.model, plan))
 
+    def _step_row(self, events: list[tuple[Key, int]]) -> StepRow:
+        """The running sum of ``events`` read at every point, stored by its changes."""
+        codes = np.fromiter((self.encode(k) for k, _ in events), dtype=np.int64, count=len(events))
+        deltas = np.fromiter((d for _, d in events), dtype=np.int64, count=len(events))
+        first = np.searchsorted(self._codes, codes, side="left")  # the first point that sees each event
+        keep = first < len(self._codes)
+        first, deltas = first[keep], deltas[keep]
+        order = np.argsort(first, kind="stable")
+        first, deltas = first[order], deltas[order]
+        at, starts = np.unique(first, return_index=True)
+        steps = np.add.reduceat(deltas, starts) if len(starts) else deltas
+        changed = steps != 0
+        return StepRow(at=at[changed], values=np.cumsum(steps)[changed])
+
     def _at_points(self, events: list[tuple[Key, int]]) -> np.ndarray:
         """The running sum of ``events`` read at every point."""
         codes = np.fromiter((self.encode(k) for k, _ in events), dtype=np.int64, count=len(events))
@@ -92,28 +137,66 @@ class LinearMemory:
         return self.live({})
 
     @cached_property
-    def seg_delta(self) -> dict[int, np.ndarray]:
-        return {c: self._at_points(segment_delta_events(self.model, c, frozenset())) for c in self.model.segments}
+    def seg_delta(self) -> dict[int, StepRow]:
+        return {c: self._step_row(segment_delta_events(self.model, c, frozenset())) for c in self.model.segments}
 
     @cached_property
-    def keep_delta(self) -> dict[tuple[int, int], np.ndarray]:
-        rows = {}
-        for c, seg in self.model.segments.items():
-            for i in seg.candidates:
-                rows[(c, i)] = self._at_points(keep_delta_events(self.model, c, i))
-        return rows
+    def keep_delta(self) -> dict[tuple[int, int], StepRow]:
+        return {(c, i): self._step_row(keep_delta_events(self.model, c, i))
+                for c, seg in self.model.segments.items() for i in seg.candidates}
 
     def predict(self, plan: Plan) -> np.ndarray:
         """The linear model's live bytes under ``plan`` (bursts of unchosen segments masked)."""
         total = self.base.copy()
         for c, kept in plan.items():
-            total += self.seg_delta[c]
+            self.seg_delta[c].add_to(total)
             for i in kept:
-                total += self.keep_delta[(c, i)]
+                self.keep_delta[(c, i)].add_to(total)
         return np.where(self.active_mask(plan), total, 0)
+
+    def coefficients_at(self, j: int) -> tuple[dict[int, int], dict[tuple[int, int], int]]:
+        """Every non-zero segment and keep coefficient at point ``j``."""
+        return _nonzero_at(self.seg_delta, self._seg_spans, j), _nonzero_at(self.keep_delta, self._keep_spans, j)
+
+    @cached_property
+    def _seg_spans(self) -> tuple[list, np.ndarray, np.ndarray]:
+        return _spans(self.seg_delta)
+
+    @cached_property
+    def _keep_spans(self) -> tuple[list, np.ndarray, np.ndarray]:
+        return _spans(self.keep_delta)
+
+    def representative_points(self) -> np.ndarray:
+        """One point per stretch where no coefficient changes and the burst is the same: the
+        one with the highest base. Only it can bind within its stretch."""
+        n = len(self.points)
+        cuts = {0}
+        for row in (*self.seg_delta.values(), *self.keep_delta.values()):
+            cuts.update(row.at.tolist())
+        owner = np.array([-1 if p.burst_of is None else p.burst_of for p in self.points], dtype=np.int64)
+        cuts.update((np.flatnonzero(np.diff(owner)) + 1).tolist())
+        starts = np.array(sorted(cuts), dtype=np.int64)
+        stretch = np.searchsorted(starts, np.arange(n), side="right") - 1
+        order = np.lexsort((-self.base, stretch))
+        _, first = np.unique(stretch[order], return_index=True)
+        return np.sort(order[first])
 
     def active_mask(self, plan: Plan) -> np.ndarray:
         return np.array([p.burst_of is None or p.burst_of in plan for p in self.points])
+
+
+def _spans(rows: dict) -> tuple[list, np.ndarray, np.ndarray]:
+    """Row ids with the first and end point of their supports, as arrays."""
+    ids = list(rows)
+    spans = np.array([rows[k].support for k in ids], dtype=np.int64).reshape(-1, 2)
+    return ids, spans[:, 0], spans[:, 1]
+
+
+def _nonzero_at(rows: dict, spans: tuple[list, np.ndarray, np.ndarray], j: int) -> dict:
+    ids, first, end = spans
+    inside = np.flatnonzero((first <= j) & ((end == -1) | (j < end)))
+    values = ((ids[k], rows[ids[k]].value_at(j)) for k in inside)
+    return {key: value for key, value in values if value != 0}
 
 
 def live_series(model: SegmentModel, plan: Plan) -> tuple[int, ...]:

@@ -21,7 +21,7 @@ import numpy as np
 from monet_cli.core.schedule import SolverInfo
 from monet_cli.core.segments import SegmentModel
 from monet_cli.core.simulate import Plan, SimResult, simulate
-from monet_cli.core.solver.cpsat import MemoryRow, add_hint, build_model, memory_rows, row_at, solve_model
+from monet_cli.core.solver.cpsat import MemoryRow, add_hint, build_model, row_at, solve_model
 from monet_cli.core.solver.heuristics import best_heuristic
 from monet_cli.core.solver.linear import LinearMemory
 
@@ -75,7 +75,8 @@ class Planner:
         self.model = model
         self.profile = model.profile
         self.linear = LinearMemory(model)
-        self.rows = memory_rows(self.linear)
+        self.pool = self.linear.representative_points()
+        """The points whose rows can bind; a row is built when it joins the CP model."""
 
     def solve(
         self, budget_bytes: int, *, time_limit_s: float, workers: int, seed: int,
@@ -125,7 +126,12 @@ class Planner:
 
     def _highest_rows(self) -> list[MemoryRow]:
         """Where the lazy model starts: the rows at the highest memory of the unscheduled step."""
-        return sorted(self.rows, key=lambda row: -row.base)[:LAZY_ROWS]
+        top = self.pool[np.argsort(-self.linear.base[self.pool], kind="stable")[:LAZY_ROWS]]
+        return [row_at(self.linear, int(j)) for j in top]
+
+    def all_rows(self) -> list[MemoryRow]:
+        """Every row the lazy model could add (the whole linear model, for reference solves)."""
+        return [row_at(self.linear, int(j)) for j in self.pool]
 
     def _violated_rows(self, rows: list[MemoryRow], plan: Plan, limit_bytes: int) -> list[MemoryRow]:
         """Rows ``plan`` puts over ``limit_bytes``: missing rows of the linear model, most
@@ -134,14 +140,15 @@ class Planner:
         exact = self.linear.live(plan)
         predicted = self.linear.predict(plan)
         active = self.linear.active_mask(plan)
-        present = {row.point for row in rows}
-        missing = [row for row in self.rows if row.point not in present and active[row.point]
-                   and max(exact[row.point], predicted[row.point]) > limit_bytes]
-        missing.sort(key=lambda row: -max(exact[row.point], predicted[row.point]))
+        worst = np.maximum(exact, predicted)
+        pool = self.pool[~np.isin(self.pool, [row.point for row in rows])]
+        missing = pool[active[pool] & (worst[pool] > limit_bytes)]
+        missing = missing[np.argsort(-worst[missing], kind="stable")][:LAZY_ROWS]
         under = np.flatnonzero(active & (exact > limit_bytes) & (exact > predicted))
         under = under[np.argsort(-exact[under], kind="stable")][:LAZY_ROWS]
-        cuts = [row_at(self.linear, int(j), int(exact[j] - predicted[j])) for j in under]
-        return missing[:LAZY_ROWS] + cuts
+        return [row_at(self.linear, int(j)) for j in missing] + [
+            row_at(self.linear, int(j), int(exact[j] - predicted[j])) for j in under
+        ]
 
     def _outcome(self, plan, result, status, method, objective, bound, start, rounds) -> SolveOutcome:
         gap = None

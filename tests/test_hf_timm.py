@@ -91,6 +91,9 @@ def test_hf_inputs_are_built_not_given():
                                                  model_kwargs=TINY_LLAMA))
     with pytest.raises(UsageError, match="above the model's 32 positions"):
         _spec("hf:llama", (64,), **TINY_LLAMA)
+    with pytest.raises(UsageError, match="no image size: give --input-shape"):
+        _spec("hf:ResNetForImageClassification", depths=[1, 1, 1, 1])
+    assert _spec("hf:ResNetForImageClassification", (3, 32, 32), depths=[1, 1, 1, 1]).inputs[0].name == "pixel_values"
 
 
 def test_timm_vit_follows_the_input_size():

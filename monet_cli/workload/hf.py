@@ -140,7 +140,10 @@ def hf_inputs(model_class: str, fields: dict[str, Any], shape: tuple[int, ...] |
             specs.append(InputSpec(name="attention_mask", shape=(seq_len,), dtype="int64", low=1, high=2))
         token_labels = InputSpec(name="labels", shape=(seq_len,), dtype="int64", low=0, high=vocab)
     elif main == "pixel_values":
-        image = shape or (int(getattr(config, "num_channels", 3)), int(config.image_size), int(config.image_size))
+        size = getattr(config, "image_size", None)
+        if shape is None and not isinstance(size, int):
+            raise UsageError(f"hf:{model_class}: its config has no image size: give --input-shape C,H,W")
+        image = shape or (int(getattr(config, "num_channels", 3)), size, size)
         if len(image) != 3:
             raise UsageError(f"hf:{model_class}: --input-shape is C,H,W for image models, got {image}")
         specs = [InputSpec(name="pixel_values", shape=image)]

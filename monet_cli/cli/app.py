@@ -85,7 +85,7 @@ def _root(
     no_args_is_help=True,
 )
 def profile(
-    model: Annotated[str, typer.Argument(help="Run config, torchvision name or package.module:function.")],
+    model: Annotated[str, typer.Argument(help="Run config, hf:NAME, timm:NAME, torchvision name or package.module:function.")],
     batch_size: BatchSize = None,
     input_shape: InputShape = None,
     input_dtype: InputDtype = None,

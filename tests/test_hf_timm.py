@@ -46,7 +46,7 @@ def test_a_class_name_picks_the_head_and_its_labels():
 def test_config_json_is_read_into_the_spec(tmp_path: Path):
     path = tmp_path / "my-llama.json"
     path.write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "model_type": "llama",
-                                "transformers_version": "5.0", **TINY_LLAMA}))
+                                "transformers_version": "4.40", "torch_dtype": "float32", **TINY_LLAMA}))
     spec = _spec(f"hf:{path}", num_hidden_layers=2)
     assert spec.name == "my-llama" and spec.target == "LlamaForCausalLM"
     assert spec.kwargs["num_hidden_layers"] == 2 and "transformers_version" not in spec.kwargs  # --model-arg wins

@@ -46,7 +46,14 @@ def _transformers() -> Any:
 
 def resolve_hf_target(target: str, kwargs: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     """``hf:`` target -> (model class name, config fields): a config file is read here so
-    the spec (and every schedule made from it) carries the whole config, not a path."""
+    the spec (and every schedule made from it) carries the whole config, not a path.
+    ``kwargs`` (what the user typed) must name fields the config has."""
+    model_class, fields = _class_and_fields(target, kwargs)
+    _refuse_unknown_fields(_model_class(model_class).config_class, kwargs)
+    return model_class, fields
+
+
+def _class_and_fields(target: str, kwargs: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     if target.endswith(".json"):
         path = Path(target)
         try:
@@ -94,7 +101,6 @@ def _model_class(name: str) -> Any:
 def hf_config(model_class: str, fields: dict[str, Any]) -> Any:
     cls = _model_class(model_class)
     fields = {k: v for k, v in fields.items() if k != "model_type"}
-    _refuse_unknown_fields(cls.config_class, fields)
     try:
         config = cls.config_class(**fields)
     except Exception as err:  # transformers validates configs with its own exception types
@@ -106,7 +112,8 @@ def hf_config(model_class: str, fields: dict[str, Any]) -> Any:
 
 
 def _refuse_unknown_fields(config_class: Any, fields: dict[str, Any]) -> None:
-    """transformers keeps any unknown keyword as an attribute: a typo would be silently ignored."""
+    """transformers keeps any unknown keyword as an attribute: a typo would be silently ignored.
+    (A config.json written by transformers may carry keys of other versions: those are not checked.)"""
     known = set(config_class().to_dict()) | set(getattr(config_class, "attribute_map", {}))
     known |= set(inspect.signature(config_class.__init__).parameters)
     unknown = sorted(k for k in fields if k not in known and not hasattr(config_class, k))  # e.g. num_labels

@@ -95,3 +95,90 @@ def test_delta_rows_equal_whole_step_simulations(resnet18_profile):
             assert (linear.keep_delta[(call, i)].dense(n) == keep).all(), (seg.fqn, i)
             j = int(np.argmax(np.abs(keep)))
             assert linear.coefficients_at(j)[1].get((call, i), 0) == keep[j]
+
+
+@pytest.fixture(scope="module")
+def two_branch():
+    """Blocks of two branches: at the smallest peak, the best schedule nests a branch in its block."""
+    spec = small_spec("tests.models_for_tests:two_branch_mlp", shape=(16,), batch_size=64)
+    profile = profile_model(spec, CPU, steps=1)
+    model = SegmentModel(profile)
+    scored = [(simulate(profile, p, model=model), p) for p in all_plans(model)]
+    return profile, model, scored
+
+
+def test_nesting_lowers_the_smallest_peak_and_the_solver_finds_it(two_branch):
+    from monet_cli.core.solver.linear import nested_pairs
+
+    profile, model, scored = two_branch
+    lowest = min(r.peak_bytes for r, _ in scored)
+    flat_lowest = min(r.peak_bytes for r, p in scored if not nested_pairs(model, p))
+    assert lowest < flat_lowest
+    planner = Planner(model)
+    assert planner.minimum_peak(time_limit_s=10, workers=1, seed=0).peak_bytes == lowest
+    for budget in (lowest, flat_lowest, (flat_lowest + profile.baseline.peak_bytes) // 2):
+        best = min(round(r.added_ms, 3) for r, _ in scored if r.peak_bytes <= budget)
+        outcome = planner.solve(budget, time_limit_s=20, workers=1, seed=0)
+        assert outcome.status == "OPTIMAL" and outcome.result.peak_bytes <= budget, (budget, outcome)
+        assert outcome.result.added_ms == pytest.approx(best, abs=0.01), (budget, outcome.plan)
+    assert nested_pairs(model, planner.solve(lowest, time_limit_s=20, workers=1, seed=0).plan)
+
+
+def test_nest_rows_equal_whole_step_simulations(resnet18_profile):
+    """A nesting row is what a nested pair adds beyond its two segments alone; with it the
+    linear model is exact for the pair."""
+    from monet_cli.core.solver.linear import LinearMemory
+
+    model = SegmentModel(resnet18_profile)
+    linear = LinearMemory(model)
+    n = len(linear.points)
+    assert len(model.nest_pairs) > 20
+    for outer, inner in model.nest_pairs:
+        both = {outer: frozenset(), inner: frozenset()}
+        interaction = (linear.live(both) - linear.live({outer: frozenset()}) - linear.live({inner: frozenset()})
+                       + linear.base)
+        assert (linear.nest_delta[(outer, inner)].dense(n) == interaction).all(), model.segments[inner].fqn
+        mask = linear.active_mask(both)
+        assert (linear.predict(both)[mask] == linear.live(both)[mask]).all()
+        assert linear.live(both)[mask].max() == simulate(resnet18_profile, both, model=model).peak_bytes
+
+
+def test_only_pairs_nest(two_branch):
+    from monet_cli.core.simulate import nesting_problem
+
+    _, model, _ = two_branch
+    by_name = {seg.fqn: c for c, seg in model.segments.items()}
+    block, first, second = by_name["0"], by_name["0.first"], by_name["0.second"]
+    bare = frozenset()
+    assert nesting_problem(model, {block: bare, first: bare}) == ""
+    assert "more than one" in nesting_problem(model, {block: bare, first: bare, second: bare})
+    kept = frozenset(model.segments[block].candidates[:1])
+    assert "overlap" in nesting_problem(model, {block: kept, first: bare})
+    with pytest.raises(ValueError, match="overlap"):
+        simulate(model.profile, {block: kept, first: bare}, model=model)
+
+
+def test_schedule_files_hold_nested_pairs_and_refuse_other_overlaps(two_branch, tmp_path):
+    from dataclasses import replace
+
+    from monet_cli.core.plan import build_schedule, plan_of
+    from monet_cli.core.schedule import SolverInfo, consistency_problem, load_schedule, save_schedule, with_content_hash
+
+    profile, model, _ = two_branch
+    by_name = {seg.fqn: c for c, seg in model.segments.items()}
+    plan = {by_name["0"]: frozenset(), by_name["0.first"]: frozenset()}
+    info = SolverInfo(method="test", status="n/a", objective=None, bound=None, gap=None, time_s=0.0, workers=1,
+                      seed=0, time_limit_s=0.0, ortools="")
+    schedule = build_schedule(profile, plan, budget_bytes=profile.baseline.peak_bytes, budget_spec="100%",
+                              solver=info, profile_sha256="", model=model)
+    save_schedule(schedule, tmp_path / "nested.yaml")
+    assert plan_of(load_schedule(tmp_path / "nested.yaml")) == plan
+
+    outer, inner = schedule.segments
+    keeping = replace(inner, decisions=tuple(replace(d, action="keep") for d in inner.decisions))
+    assert inner.decisions
+    edited = with_content_hash(replace(schedule, segments=(outer, keeping)))
+    assert "nested and keep ops" in consistency_problem(edited)
+    crossing = replace(inner, first_op=outer.end_op - 1, end_op=outer.end_op + 1, decisions=())
+    edited = with_content_hash(replace(schedule, segments=(outer, crossing)))
+    assert "overlap" in consistency_problem(edited)

@@ -76,8 +76,10 @@ def profile_report(profile: Profile, path: Path) -> dict[str, Any]:
 
 
 def schedule_report(schedule: Schedule, path: Path, profile: Profile | None) -> dict[str, Any]:
+    nested_in = schedule.nested_in()
     segments = [
-        {"module": s.module, "ops": s.end_op - s.first_op, "recompute_ms": s.recompute_ms,
+        {"module": s.module, "nested_in": nested_in.get(s.module), "ops": s.end_op - s.first_op,
+         "recompute_ms": s.recompute_ms,
          "kept": [f"{d.op}#{d.occurrence}" for d in s.decisions if d.action == "keep"],
          "recomputed": [f"{d.op}#{d.occurrence}" for d in s.decisions if d.action == "recompute"]}
         for s in schedule.segments

@@ -147,11 +147,11 @@ def inspect_tables(report: dict[str, Any]) -> None:
     console.print(table)
     if report["kind"] == "monet.schedule" and report["segments"]:  # a profile's "segments" is a count
         seg = Table(title="segments (checkpointed module calls)", title_justify="left")
-        for column in ("module", "ops", "kept", "recomputed", "recompute ms"):
+        for column in ("module", "nested in", "ops", "kept", "recomputed", "recompute ms"):
             seg.add_column(column)
         for s in report["segments"]:
-            seg.add_row(s["module"], str(s["ops"]), ", ".join(s["kept"]) or "-", str(len(s["recomputed"])),
-                        f"{s['recompute_ms']:.2f}")
+            seg.add_row(s["module"], s["nested_in"] or "-", str(s["ops"]), ", ".join(s["kept"]) or "-",
+                        str(len(s["recomputed"])), f"{s['recompute_ms']:.2f}")
         console.print(seg)
     if report.get("not_checkpointable"):
         blocked = Table(title="module calls monet will not checkpoint", title_justify="left")

@@ -23,8 +23,9 @@ from monet_cli.core.simulate import Plan, SimResult, simulate
 def segment_decisions(model: SegmentModel, plan: Plan) -> tuple[SegmentDecision, ...]:
     """Decisions in forward order: every keep candidate gets keep or recompute."""
     ops = model.profile.ops
+    frames = model.frames(plan)
     segments = []
-    for call in sorted(plan, key=lambda c: model.segments[c].first_op):
+    for call in sorted(plan, key=lambda c: (model.segments[c].first_op, -model.segments[c].end_op)):
         seg = model.segments[call]
         decisions = tuple(
             OpDecision(
@@ -36,7 +37,7 @@ def segment_decisions(model: SegmentModel, plan: Plan) -> tuple[SegmentDecision,
         segments.append(
             SegmentDecision(
                 module=seg.fqn, call=call, first_op=seg.first_op, end_op=seg.end_op,
-                recompute_ms=round(model.recompute_ms(call, plan[call]), 4),
+                recompute_ms=round(model.recompute_ms(call, plan[call], frames[call]), 4),
                 overhead_ms=round(model.overhead_ms(call, plan[call]), 4), decisions=decisions,
             )
         )

@@ -109,6 +109,11 @@ class Schedule:
         """Segment call index -> kept op indices."""
         return {s.call: s.kept_ops() for s in self.segments}
 
+    def nested_in(self) -> dict[str, str]:
+        """Module of each nested segment -> module of the segment it runs in."""
+        return {inner.module: outer.module for inner in self.segments for outer in self.segments
+                if outer is not inner and outer.first_op <= inner.first_op and inner.end_op <= outer.end_op}
+
 
 # Optional keys added after the hash's payload was fixed: they enter it only when set, so
 # schedules written before them keep their hash.
@@ -132,10 +137,9 @@ def consistency_problem(schedule: Schedule) -> str | None:
     """Why a schedule's parts disagree (e.g. decisions edited by hand), or None."""
     if schedule.content_sha256 != content_hash(schedule):
         return "content_sha256: does not match the file's contents (edited by hand? re-run monet solve)"
-    ranges = sorted((s.first_op, s.end_op, s.module) for s in schedule.segments)
-    for (_, end, name), (start, _, other) in zip(ranges, ranges[1:]):
-        if start < end:
-            return f"segments: '{name}' and '{other}' overlap"
+    problem = _nesting_problem(schedule.segments)
+    if problem:
+        return problem
     for s in schedule.segments:
         if s.first_op >= s.end_op or any(not s.first_op <= d.index < s.end_op for d in s.decisions):
             return f"segments.{s.module}: decisions outside the segment's ops {s.first_op}..{s.end_op - 1}"
@@ -146,6 +150,26 @@ def consistency_problem(schedule: Schedule) -> str | None:
     if pred.peak_bytes > schedule.budget_bytes:
         return f"predicted.peak_bytes: {pred.peak_bytes} is above budget_bytes {schedule.budget_bytes}"
     return None
+
+
+def _nesting_problem(segments: tuple[SegmentDecision, ...]) -> str:
+    """Segments may overlap only as nested pairs: one inside another, two levels, one inner
+    segment per outer one, neither keeping anything."""
+    ordered = sorted(segments, key=lambda s: (s.first_op, -s.end_op))
+    outer_of: dict[str, str] = {}
+    for i, outer in enumerate(ordered):
+        for inner in ordered[i + 1:]:
+            if inner.first_op >= outer.end_op:
+                break
+            names = f"'{outer.module}' and '{inner.module}'"
+            if inner.end_op > outer.end_op:
+                return f"segments: {names} overlap"
+            if outer.kept_ops() or inner.kept_ops():
+                return f"segments: {names} are nested and keep ops (nested segments recompute everything)"
+            if outer.module in outer_of or outer.module in outer_of.values():
+                return f"segments: {names} nest more than one segment or deeper than two levels"
+            outer_of[inner.module] = outer.module
+    return ""
 
 
 def schedule_to_data(schedule: Schedule) -> dict[str, Any]:

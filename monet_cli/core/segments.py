@@ -5,6 +5,11 @@ forward, autograd keeps nothing it saves inside the segment (unless a selective 
 keeps an op's output). In backward, the first node that needs one of its saved tensors
 re-runs the segment from its first op up to the op that made the last saved tensor
 (checkpoint stops early there): one recompute burst per segment.
+
+A segment may hold one nested segment (recursive checkpointing, two levels): the outer
+frame then saves the inner call's arguments instead of what the inner call saves, so its
+recompute stops at the inner call's start when nothing later is saved, and the inner
+segment's recompute takes its arguments from the outer one's.
 """
 
 from __future__ import annotations
@@ -39,6 +44,27 @@ class SegmentInfo:
     """Position by which autograd released every tensor saved inside the call."""
     candidates: tuple[int, ...]
     """Ops whose outputs a selective policy may keep (saved, never mutated, not in-place)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Frame:
+    """A chosen segment as it runs under one plan (nesting changes the outer one's recompute)."""
+
+    call: int
+    first_op: int
+    end_op: int
+    stop: int
+    burst_pos: int | None
+    frame_end: int
+    outer: int | None
+    """The chosen segment this one is nested in."""
+    order: tuple[int, int]
+    """(-first op of the outermost frame, nesting depth): the order of bursts at one backward
+    position. Later segments run their backward first; an outer recompute runs before its
+    inner one, which takes its arguments from it."""
+
+    def contains(self, op: int) -> bool:
+        return self.first_op <= op < self.end_op
 
 
 class SegmentModel:
@@ -124,12 +150,59 @@ class SegmentModel:
                 candidates.append(index)
         return tuple(candidates)
 
-    def recompute_ms(self, call_index: int, kept: frozenset[int] = frozenset()) -> float:
-        seg = self.segments[call_index]
-        if seg.burst_pos is None:
+    @cached_property
+    def nest_pairs(self) -> tuple[tuple[int, int], ...]:
+        """(outer, inner): each segment with the nearest enclosing segment, which may hold it
+        nested. Both must be recomputed at some point (a recompute that never runs nests
+        nothing). Nearest only: the pairs grow with the number of segments, not with depth."""
+        bursting = {c for c, seg in self.segments.items() if seg.burst_pos is not None}
+        pairs = []
+        for inner in sorted(bursting):
+            outer = next((a for a in self.ancestors[inner][1:] if a in self.segments), None)
+            if outer in bursting:
+                pairs.append((outer, inner))
+        return tuple(pairs)
+
+    def frames(self, plan: dict[int, frozenset[int]]) -> dict[int, Frame]:
+        """Each chosen segment's recompute under ``plan`` (checked by ``nesting_problem``)."""
+        outer = {c: next((a for a in self.ancestors[c][1:] if a in plan), None) for c in plan}
+        inner: dict[int, list[int]] = defaultdict(list)
+        for c, o in outer.items():
+            if o is not None:
+                inner[o].append(c)
+        frames = {}
+        for c in plan:
+            seg = self.segments[c]
+            stop, burst_pos, frame_end = seg.stop, seg.burst_pos, seg.frame_end
+            if inner[c]:
+                stop, burst_pos, frame_end = self._outer_frame(seg, [self.segments[i] for i in inner[c]])
+            depth = sum(1 for a in self.ancestors[c][1:] if a in plan)
+            top = next((a for a in reversed(self.ancestors[c]) if a in plan), c)
+            frames[c] = Frame(
+                call=c, first_op=seg.first_op, end_op=seg.end_op, stop=stop, burst_pos=burst_pos,
+                frame_end=frame_end, outer=outer[c], order=(-self.segments[top].first_op, depth),
+            )
+        return frames
+
+    def _outer_frame(self, seg: SegmentInfo, nested: list[SegmentInfo]) -> tuple[int, int | None, int]:
+        """stop, burst position and frame end of ``seg`` holding ``nested`` segments: its own
+        saves plus each nested call's arguments, which that call's recompute unpacks."""
+        packs = self.profile.packs
+        inside = {p for n in nested for p in n.packs}
+        own = [p for p in seg.packs if p not in inside]
+        stop = max([packs[p].pos for p in own] + [n.first_op for n in nested])
+        unpacks = [packs[p].unpack for p in own if packs[p].unpack is not None]
+        unpacks += [n.burst_pos for n in nested if n.burst_pos is not None]
+        frame_end = max([self.release(p) for p in own] + [n.frame_end for n in nested])
+        return stop, min(unpacks) if unpacks else None, frame_end
+
+    def recompute_ms(self, call_index: int, kept: frozenset[int] = frozenset(), frame: Frame | None = None) -> float:
+        """Profiled time of the ops a segment's recompute re-runs (as ``frame`` when nested)."""
+        stop, burst_pos = (frame.stop, frame.burst_pos) if frame else (self.segments[call_index].stop, self.segments[call_index].burst_pos)
+        if burst_pos is None:
             return 0.0
         ops = self.profile.ops
-        return sum((ops[i].time_ms for i in range(seg.first_op, seg.stop) if i not in kept), 0.0)
+        return sum((ops[i].time_ms for i in range(self.segments[call_index].first_op, stop) if i not in kept), 0.0)
 
     def overhead_ms(self, call_index: int, kept: frozenset[int] = frozenset()) -> float:
         """Checkpoint machinery time of a segment; the selective policy only runs when it keeps ops."""
@@ -138,9 +211,9 @@ class SegmentModel:
         policy = costs.policy_op_ms * 2 * (seg.end_op - seg.first_op) if kept else 0.0
         return costs.segment_ms + policy
 
-    def added_ms(self, call_index: int, kept: frozenset[int] = frozenset()) -> float:
+    def added_ms(self, call_index: int, kept: frozenset[int] = frozenset(), frame: Frame | None = None) -> float:
         """What checkpointing the segment adds to the step: re-run ops plus machinery."""
-        return self.recompute_ms(call_index, kept) + self.overhead_ms(call_index, kept)
+        return self.recompute_ms(call_index, kept, frame) + self.overhead_ms(call_index, kept)
 
     def occurrence(self, call_index: int, op_index: int) -> int:
         """Index of the op among same-overload ops of the segment (the SAC policy key)."""
@@ -151,16 +224,18 @@ class SegmentModel:
     def overlaps(self, a: int, b: int) -> bool:
         return a in self.ancestors[b] or b in self.ancestors[a]
 
-    def chosen_segment_of_pack(self, plan: dict[int, frozenset[int]]) -> dict[int, int]:
-        """Pack index -> the chosen segment it was made in (packs outside every segment are absent).
+    def _outer_first(self, plan: dict[int, frozenset[int]]) -> list[int]:
+        return sorted(plan, key=lambda call: len(self.ancestors[call]))
 
-        Chosen segments never nest, so each pack has at most one."""
-        return {p: call for call in plan for p in self.packs_by_call.get(call, ())}
+    def chosen_segment_of_pack(self, plan: dict[int, frozenset[int]]) -> dict[int, int]:
+        """Pack index -> the innermost chosen segment it was made in (packs outside every
+        segment are absent): the checkpoint frame whose hooks saw it."""
+        return {p: call for call in self._outer_first(plan) for p in self.packs_by_call.get(call, ())}
 
     def chosen_segment_of_op(self, plan: dict[int, frozenset[int]]) -> dict[int, int]:
-        """Forward op index -> the chosen segment running it."""
+        """Forward op index -> the innermost chosen segment running it."""
         owner: dict[int, int] = {}
-        for call in plan:
+        for call in self._outer_first(plan):
             seg = self.segments[call]
             owner.update(dict.fromkeys(range(seg.first_op, seg.end_op), call))
         return owner

@@ -13,19 +13,23 @@ freed at recorded positions; a schedule moves those events:
   outputs that die when the re-run ends;
 - an op output the segment's selective policy keeps is cached until that burst;
 - storages made before the segment and saved inside it live until the segment's last
-  saved tensor is released (checkpoint holds its inputs).
+  saved tensor is released (checkpoint holds its inputs);
+- under a nested segment's outer frame, the inner call's arguments are saved by the outer
+  frame instead: the outer recompute makes them again and they live until the inner
+  recompute has taken them (and until its own saves of them are released).
 
 Event keys are tuples so plain ordering puts, at position t: frees before op t
-``(t, 0)``, then a recompute burst ``(t, 1, segment, op, sub)``, then op t's
-allocations ``(t, 2)``.
+``(t, 0)``, then recompute bursts ``(t, 1, -first op of the outermost segment, depth, op,
+sub)``, then op t's allocations ``(t, 2)``.
 """
 
 from __future__ import annotations
 
+from collections import defaultdict
 from dataclasses import dataclass
 
 from monet_cli.core.profile import Profile, StorageRecord
-from monet_cli.core.segments import SegmentModel
+from monet_cli.core.segments import Frame, SegmentModel
 
 Plan = dict[int, frozenset[int]]
 """Chosen segments: module call index -> op indices whose outputs are kept."""
@@ -66,6 +70,24 @@ def segment_delta_events(model: SegmentModel, call: int, kept: frozenset[int]) -
     return chosen.items + [(key, -delta) for key, delta in empty.items]
 
 
+def nest_delta_events(model: SegmentModel, outer: int, inner: int) -> list[tuple[Key, int]]:
+    """What nesting ``inner`` in ``outer`` adds beyond choosing each alone:
+    ``memory_events({outer, inner}) - memory_events({outer}) - memory_events({inner}) +
+    memory_events({})``, from the storages either segment can move."""
+    plans = ({outer: frozenset(), inner: frozenset()}, {outer: frozenset()}, {inner: frozenset()}, {})
+    touched = sorted(set(model.touched_storages(outer)) | set(model.touched_storages(inner)))
+    items: list[tuple[Key, int]] = []
+    for plan, sign in zip(plans, (1, -1, -1, 1)):
+        _check_plan(model, plan)
+        events = _Events(model, plan)
+        for sid in touched:
+            events.add_storage(model.profile.storages[sid])
+        for call in plan:
+            events.add_burst(call)
+        items += [(key, sign * delta) for key, delta in events.items]
+    return items
+
+
 def keep_delta_events(model: SegmentModel, call: int, op: int) -> list[tuple[Key, int]]:
     """``memory_events({call: {op}})`` minus ``memory_events({call: set()})``: keeping one op's
     output moves only that output's events and drops its re-run from the burst."""
@@ -80,18 +102,17 @@ def keep_delta_events(model: SegmentModel, call: int, op: int) -> list[tuple[Key
     return kept.items + [(key, -delta) for key, delta in bare.items]
 
 
-def burst_key(model: SegmentModel, call: int, op: int, sub: int) -> Key:
-    """Event key of op ``op`` inside segment ``call``'s recompute burst."""
-    seg = model.segments[call]
-    # Later segments run their backward first; order bursts at one position that way.
-    return (seg.burst_pos if seg.burst_pos is not None else model.end, 1, -seg.first_op, op, sub)
+def burst_key(model: SegmentModel, frame: Frame, op: int, sub: int) -> Key:
+    """Event key of op ``op`` inside ``frame``'s recompute burst."""
+    return (frame.burst_pos if frame.burst_pos is not None else model.end, 1, *frame.order, op, sub)
 
 
 def simulate(profile: Profile, plan: Plan, *, model: SegmentModel | None = None, timeline: bool = False) -> SimResult:
     model = model or SegmentModel(profile)
     peak, peak_key, points = _sweep(memory_events(model, plan), timeline)
-    recompute_ms = sum((model.recompute_ms(call, kept) for call, kept in plan.items()), 0.0)
-    added_ms = sum((model.added_ms(call, kept) for call, kept in plan.items()), 0.0)
+    frames = model.frames(plan)
+    recompute_ms = sum((model.recompute_ms(call, kept, frames[call]) for call, kept in plan.items()), 0.0)
+    added_ms = sum((model.added_ms(call, kept, frames[call]) for call, kept in plan.items()), 0.0)
     return SimResult(
         peak_bytes=peak,
         peak_pos=max(peak_key[0], 0),
@@ -110,10 +131,27 @@ def _check_plan(model: SegmentModel, plan: Plan) -> None:
         extra = plan[call] - set(model.segments[call].candidates)
         if extra:
             raise ValueError(f"segment {model.segments[call].fqn!r} cannot keep ops {sorted(extra)}")
-    for i, a in enumerate(calls):
-        for b in calls[i + 1:]:
-            if model.overlaps(a, b):
-                raise ValueError(f"segments {model.segments[a].fqn!r} and {model.segments[b].fqn!r} overlap")
+    problem = nesting_problem(model, plan)
+    if problem:
+        raise ValueError(problem)
+
+
+def nesting_problem(model: SegmentModel, plan: Plan) -> str:
+    """Why ``plan``'s overlapping segments cannot run as nested checkpoints ("" if they can):
+    one segment may hold one other, two levels deep, both recomputed and keeping nothing."""
+    pairs = set(model.nest_pairs)
+    inner_of: dict[int, int] = {}
+    for call in plan:
+        for outer in model.ancestors[call][1:]:
+            if outer not in plan:
+                continue
+            names = f"{model.segments[outer].fqn!r} and {model.segments[call].fqn!r}"
+            if (outer, call) not in pairs or plan[outer] or plan[call]:
+                return f"segments {names} overlap"
+            if outer in inner_of or any(a in plan for a in model.ancestors[outer][1:]):
+                return f"segments {names} nest more than one segment or deeper than two levels"
+            inner_of[outer] = call
+    return ""
 
 
 class _Events:
@@ -126,19 +164,28 @@ class _Events:
         self.items: list[tuple[Key, int]] = []
         self.owners: list[tuple[int, bool]] = []
         """For each item: (storage id, whether it is a recomputed copy or transient)."""
+        self.frames = model.frames(plan)
         self.pack_owner = model.chosen_segment_of_pack(plan)
         self.op_owner = model.chosen_segment_of_op(plan)
         self.frame_holds = self._frame_holds()
-        self.copies: set[int] = set()
-        """Storages whose recomputed copy is held after the burst (alloc placed by add_burst)."""
-        self.copy_free: dict[int, Key] = {}
+        self.nested_inputs: dict[int, list[int]] = defaultdict(list)
+        """Storage -> the nested segments that take it as an argument."""
+        for frame in self.frames.values():
+            if frame.outer is not None:
+                for sid in model.profile.calls[frame.call].inputs:
+                    self.nested_inputs[sid].append(frame.call)
+        self.copy_free: dict[tuple[int, int], Key] = {}
+        """(segment, storage) -> when the copy its recompute makes is freed, for the copies
+        held after the burst (their allocation is placed by add_burst)."""
 
     def _frame_holds(self) -> dict[int, Key]:
-        """Checkpoint keeps each segment's tensor arguments until its saved tensors are released."""
+        """Checkpoint keeps each outermost segment's tensor arguments until its saved tensors are released."""
         holds: dict[int, Key] = {}
-        for call in self.plan:
-            end: Key = (self.model.segments[call].frame_end, 0)
-            for sid in self.model.profile.calls[call].inputs:
+        for frame in self.frames.values():
+            if frame.outer is not None:
+                continue
+            end: Key = (frame.frame_end, 0)
+            for sid in self.model.profile.calls[frame.call].inputs:
                 holds[sid] = max(holds.get(sid, end), end)
         return holds
 
@@ -148,10 +195,10 @@ class _Events:
         self.owners += [(storage, recomputed), (storage, recomputed)]
 
     def burst_key(self, call: int, op: int, sub: int) -> Key:
-        return burst_key(self.model, call, op, sub)
+        return burst_key(self.model, self.frames[call], op, sub)
 
     def burst_end(self, call: int) -> Key:
-        return self.burst_key(call, self.model.segments[call].stop, 0)
+        return self.burst_key(call, self.frames[call].stop, 0)
 
     def add_storage(self, s: StorageRecord) -> None:
         alloc: Key = (s.alloc, 2) if s.producer is not None or s.alloc > 0 else (-1, 2)
@@ -162,7 +209,7 @@ class _Events:
         owner = self.op_owner.get(s.producer)
         kept = owner is not None and s.producer in self.plan[owner]
         packs = self.model.packs_by_storage.get(s.id, [])
-        if not kept and not any(p in self.pack_owner for p in packs):
+        if not kept and not any(p in self.pack_owner for p in packs) and s.id not in self.nested_inputs:
             free = baseline_free
         else:
             free = self._original_free(s, owner, kept, packs, baseline_free)
@@ -173,44 +220,59 @@ class _Events:
     def _original_free(self, s: StorageRecord, owner: int | None, kept: bool, packs: list[int], baseline_free: Key) -> Key:
         python_end: Key = baseline_free if s.free_no_autograd is None else (s.free_no_autograd, 0)
         holds: list[Key] = [python_end]
-        copy_holds: list[Key] = []
+        copy_holds: dict[int, list[Key]] = defaultdict(list)
         for p in packs:
             segment = self.pack_owner.get(p)
             release: Key = (self.model.release(p), 0)
             if segment is None:
                 holds.append(release)
-            elif segment == owner and not kept:
-                copy_holds.append(release)
-            elif segment == owner:
+            elif not self.frames[segment].contains(s.producer):
+                self._argument_hold(s, self.frames[segment], release, holds, copy_holds)
+            elif segment == owner and kept:
                 holds.append(release)  # kept: the cached original serves the saved use
             else:
-                # Made outside the segment that saved it: checkpoint holds it as an input.
-                holds.append((self.model.segments[segment].frame_end, 0))
+                copy_holds[segment].append(release)
+        for call in self.nested_inputs.get(s.id, ()):
+            self._argument_hold(s, self.frames[call], None, holds, copy_holds)
         if kept:
             holds.append(self.burst_end(owner))  # the selective policy's cache
-        if copy_holds and self.model.segments[owner].burst_pos is not None:
-            self.copies.add(s.id)
-            self.copy_free[s.id] = max(copy_holds)
+        for segment, frees in copy_holds.items():
+            if self.frames[segment].burst_pos is not None:
+                self.copy_free[(segment, s.id)] = max(frees)
         return max(holds)
 
-    def add_burst(self, call: int) -> None:
-        seg = self.model.segments[call]
-        if seg.burst_pos is None:
+    def _argument_hold(self, s: StorageRecord, frame: Frame, release: Key | None, holds: list[Key],
+                       copy_holds: dict[int, list[Key]]) -> None:
+        """``s`` was made before ``frame``'s call, which took it as an argument (and saved it
+        where ``release`` is given)."""
+        outer = self.frames[frame.outer] if frame.outer is not None else None
+        if outer is None or not outer.contains(s.producer):
+            # The outermost frame that did not make it holds it until its backward is done.
+            holds.append(((outer or frame).frame_end, 0))
             return
-        for op in range(seg.first_op, seg.stop):
+        # The outer frame saved it for this call: its recompute makes a copy, which this
+        # call's recompute takes as an argument and saves again where it saved it.
+        ends = [self.burst_end(frame.call)] + ([release] if release is not None else [])
+        copy_holds[outer.call].append(max(ends))
+
+    def add_burst(self, call: int) -> None:
+        frame = self.frames[call]
+        if frame.burst_pos is None:
+            return
+        for op in range(frame.first_op, frame.stop):
             if op not in self.plan[call]:
                 self.add_rerun(call, op)
 
     def add_rerun(self, call: int, op: int) -> None:
         """The outputs op ``op`` makes again in segment ``call``'s recompute burst."""
-        seg = self.model.segments[call]
+        stop = self.frames[call].stop
         storages = self.model.profile.storages
         for sid in self.model.outputs_by_op.get(op, []):
             s = storages[sid]
             alloc = self.burst_key(call, op, 1)
-            if sid in self.copies:
-                free = self.copy_free[sid]
-            elif s.free_no_autograd is not None and s.free_no_autograd < seg.stop:
+            if (call, sid) in self.copy_free:
+                free = self.copy_free[(call, sid)]
+            elif s.free_no_autograd is not None and s.free_no_autograd < stop:
                 free = self.burst_key(call, s.free_no_autograd, 0)
             else:
                 free = self.burst_end(call)

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.checkpoint import (
     CheckpointPolicy,
     checkpoint,
@@ -154,16 +155,44 @@ def _wrap_forward(module: nn.Module, keep: frozenset[tuple[str, int]], marker: _
     def checkpointed(*args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
             return original(*args, **kwargs)  # eval / no_grad: nothing to save
+        tensors, rebuild = _tensors_apart(args, kwargs)
+
+        def run_rebuilt(*values: torch.Tensor) -> Any:
+            call_args, call_kwargs = rebuild(values)
+            return run_original(*call_args, **call_kwargs)
+
         marker.depth += 1
         try:
             return checkpoint(
-                run_original, *args, use_reentrant=False, preserve_rng_state=True,
-                context_fn=context_fn, determinism_check="default", **kwargs,
+                run_rebuilt, *tensors, use_reentrant=False, preserve_rng_state=True,
+                context_fn=context_fn, determinism_check="default",
             )
         finally:
             marker.depth -= 1
 
     module.forward = checkpointed
+
+
+def _tensors_apart(args: tuple, kwargs: dict) -> tuple[list[torch.Tensor], Callable[[tuple], tuple[tuple, dict]]]:
+    """Every tensor argument, positional or not, and how to put the call back together.
+
+    checkpoint saves its positional tensors through autograd's saved-tensor hooks, so a
+    segment nested in another one lets the outer segment drop and recompute them; tensors
+    in keyword arguments or containers it would hold strongly. The rebuild closes over the
+    arguments with their tensors taken out, so it holds none of them either."""
+    leaves, spec = tree_flatten((args, kwargs))
+    at = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+    tensors = [leaves[i] for i in at]
+    for i in at:
+        leaves[i] = None
+
+    def rebuild(values: tuple) -> tuple[tuple, dict]:
+        filled = list(leaves)
+        for i, value in zip(at, values):
+            filled[i] = value
+        return tree_unflatten(filled, spec)
+
+    return tensors, rebuild
 
 
 def _guard_batchnorms(segment: nn.Module) -> None:

@@ -1,10 +1,12 @@
 """The CP-SAT model: build, solve and extract, each testable alone.
 
 Variables: ``seg[c]`` checkpoints module call c; ``keep[c,i]`` keeps op i's output
-inside segment c (selective checkpointing) so it is not recomputed.
-Constraints: chosen segments do not nest; a keep needs its segment; at every point of
-the step the linear memory model stays within the budget (points inside a segment's
-recompute burst only count when that segment is chosen).
+inside segment c (selective checkpointing) so it is not recomputed; ``nest[o,n]`` runs
+segment n nested inside segment o.
+Constraints: chosen segments overlap only as a nested pair (one inner per outer, two
+levels, neither keeping anything); a keep needs its segment; at every point of the step
+the linear memory model stays within the budget (points inside a recompute burst only
+count when that segment, or nested pair, is chosen).
 Objective: minimise recompute time in microseconds (the predicted overhead), or, in
 ``min_peak`` mode, the peak itself.
 """
@@ -32,7 +34,8 @@ class MemoryRow:
     base: int
     seg_coefs: dict[int, int]
     keep_coefs: dict[tuple[int, int], int]
-    burst_of: int | None
+    nest_coefs: dict[tuple[int, int], int]
+    burst_of: int | tuple[int, int] | None
     slack: int = 0
     """Bytes the simulator found this point under-predicted by (a cut from the solve loop)."""
 
@@ -43,6 +46,7 @@ class Variables:
     keep: dict[tuple[int, int], cp_model.IntVar] = field(default_factory=dict)
     policy: dict[int, cp_model.IntVar] = field(default_factory=dict)
     """policy[c]: segment c keeps something, so its selective policy runs (and costs time)."""
+    nest: dict[tuple[int, int], cp_model.IntVar] = field(default_factory=dict)
     peak: cp_model.IntVar | None = None
 
 
@@ -56,10 +60,13 @@ class Costs:
     """Keeping op i saves its re-run."""
     policy: dict[int, int]
     """Keeping anything in a segment adds the selective policy's per-op dispatch cost."""
+    nest: dict[tuple[int, int], int]
+    """Nesting changes the outer segment's recompute (it stops at the inner call's start
+    when nothing later is saved); the inner segment's own cost is in ``seg``."""
 
 
 def step_costs(model: SegmentModel) -> Costs:
-    seg, keep_saving, policy = {}, {}, {}
+    seg, keep_saving, policy, nest = {}, {}, {}, {}
     ops = model.profile.ops
     for c, info in model.segments.items():
         seg[c] = round(model.added_ms(c) * US_PER_MS)
@@ -67,7 +74,10 @@ def step_costs(model: SegmentModel) -> Costs:
         for i in info.candidates:
             saved = ops[i].time_ms if info.burst_pos is not None and i < info.stop else 0.0
             keep_saving[(c, i)] = round(saved * US_PER_MS)
-    return Costs(seg=seg, keep_saving=keep_saving, policy=policy)
+    for outer, inner in model.nest_pairs:
+        frame = model.frames({outer: frozenset(), inner: frozenset()})[outer]
+        nest[(outer, inner)] = round(model.added_ms(outer, frame=frame) * US_PER_MS) - seg[outer]
+    return Costs(seg=seg, keep_saving=keep_saving, policy=policy, nest=nest)
 
 
 def objective_us(costs: Costs, plan: Plan) -> int:
@@ -75,14 +85,14 @@ def objective_us(costs: Costs, plan: Plan) -> int:
     return sum(
         costs.seg[c] + (costs.policy[c] if kept else 0) - sum(costs.keep_saving[(c, i)] for i in kept)
         for c, kept in plan.items()
-    )
+    ) + sum(cost for (outer, inner), cost in costs.nest.items() if outer in plan and inner in plan)
 
 
 def row_at(linear: LinearMemory, j: int, slack: int = 0) -> MemoryRow:
     """The memory constraint of point ``j``."""
-    seg_coefs, keep_coefs = linear.coefficients_at(j)
+    seg_coefs, keep_coefs, nest_coefs = linear.coefficients_at(j)
     return MemoryRow(point=j, base=int(linear.base[j]), seg_coefs=seg_coefs, keep_coefs=keep_coefs,
-                     burst_of=linear.points[j].burst_of, slack=slack)
+                     nest_coefs=nest_coefs, burst_of=linear.points[j].burst_of, slack=slack)
 
 
 def build_model(
@@ -98,8 +108,8 @@ def build_model(
         for i in seg.candidates:
             v.keep[(c, i)] = cp.new_bool_var(f"keep[{c},{i}]")
             cp.add_implication(v.keep[(c, i)], v.policy[c])
-    _add_no_nesting(cp, model, v)
-    top = max((r.base + sum(max(0, x) for x in r.seg_coefs.values()) + sum(max(0, x) for x in r.keep_coefs.values())
+    _add_overlaps(cp, model, v)
+    top = max((r.base + sum(max(0, x) for coefs in (r.seg_coefs, r.keep_coefs, r.nest_coefs) for x in coefs.values())
                for r in rows), default=0)
     if min_peak:
         v.peak = cp.new_int_var(0, max(top, 1), "peak")
@@ -110,6 +120,7 @@ def build_model(
         sum(costs.seg[c] * v.seg[c] for c in v.seg)
         + sum(costs.policy[c] * v.policy[c] for c in v.policy)
         - sum(costs.keep_saving[k] * v.keep[k] for k in v.keep)
+        + sum(costs.nest[pair] * v.nest[pair] for pair in v.nest)
     )
     if min_peak:
         # Lowest peak first, then the least added time among the lowest peaks.
@@ -119,20 +130,38 @@ def build_model(
     return cp, v
 
 
-def _add_no_nesting(cp: cp_model.CpModel, model: SegmentModel, v: Variables) -> None:
+def _add_overlaps(cp: cp_model.CpModel, model: SegmentModel, v: Variables) -> None:
+    """Overlapping segments are chosen together only as a nested pair."""
+    for pair in model.nest_pairs:
+        v.nest[pair] = cp.new_bool_var(f"nest[{pair[0]},{pair[1]}]")
+        for c in pair:
+            cp.add_implication(v.nest[pair], v.seg[c])
+            cp.add_implication(v.nest[pair], ~v.policy[c])  # nested segments keep nothing
     for c in model.segments:
         for ancestor in model.ancestors[c][1:]:
-            if ancestor in v.seg:
+            if (ancestor, c) in v.nest:
+                cp.add(v.seg[c] + v.seg[ancestor] <= 1 + v.nest[(ancestor, c)])
+            elif ancestor in v.seg:
                 cp.add_at_most_one([v.seg[c], v.seg[ancestor]])
+    by_outer: dict[int, list[cp_model.IntVar]] = {}
+    for (outer, _), var in v.nest.items():
+        by_outer.setdefault(outer, []).append(var)
+    for nested in by_outer.values():
+        cp.add_at_most_one(nested)  # one inner segment per outer one
+    for (_, inner), var in v.nest.items():
+        for deeper in by_outer.get(inner, []):
+            cp.add_at_most_one([var, deeper])  # two levels at most
 
 
 def _add_memory_row(cp: cp_model.CpModel, v: Variables, row: MemoryRow, budget_bytes: int | None) -> None:
-    expr = row.base + row.slack + sum(coef * v.seg[c] for c, coef in row.seg_coefs.items()) + sum(
-        coef * v.keep[k] for k, coef in row.keep_coefs.items()
-    )
+    expr = (row.base + row.slack + sum(coef * v.seg[c] for c, coef in row.seg_coefs.items())
+            + sum(coef * v.keep[k] for k, coef in row.keep_coefs.items())
+            + sum(coef * v.nest[pair] for pair, coef in row.nest_coefs.items()))
     limit = v.peak if v.peak is not None else budget_bytes
     constraint = cp.add(expr <= limit)
-    if row.burst_of is not None:
+    if isinstance(row.burst_of, tuple):
+        constraint.only_enforce_if(v.nest[row.burst_of])
+    elif row.burst_of is not None:
         constraint.only_enforce_if(v.seg[row.burst_of])
 
 
@@ -142,6 +171,8 @@ def add_hint(cp: cp_model.CpModel, v: Variables, plan: Plan) -> None:
         cp.add_hint(v.policy[c], bool(plan.get(c)))
     for (c, i), var in v.keep.items():
         cp.add_hint(var, c in plan and i in plan[c])
+    for (outer, inner), var in v.nest.items():
+        cp.add_hint(var, outer in plan and inner in plan)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -1,7 +1,8 @@
 """Every schedule the runtime can execute, for profiles small enough to enumerate.
 
-The reference the solver is tested and benchmarked against: non-nested segments, and any
-subset of each segment's keep candidates.
+The reference the solver is tested and benchmarked against: segments that do not overlap
+or nest as a pair, and any subset of each segment's keep candidates (nested segments keep
+nothing).
 """
 
 from __future__ import annotations
@@ -9,19 +10,25 @@ from __future__ import annotations
 import itertools
 
 from monet_cli.core.segments import SegmentModel
-from monet_cli.core.simulate import Plan
+from monet_cli.core.simulate import Plan, nesting_problem
 
 
 def all_plans(model: SegmentModel) -> list[Plan]:
-    segments = sorted(model.segments)
     families: list[list[int]] = [[]]
-    for call in segments:
-        families += [f + [call] for f in families if all(not model.overlaps(call, o) for o in f)]
+    for call in sorted(model.segments):
+        families += [f + [call] for f in families if not nesting_problem(model, dict.fromkeys(f + [call], frozenset()))]
     plans = []
     for family in families:
+        nested = {c for c in family for a in model.ancestors[c][1:] if a in family}
+        nested |= {a for c in nested for a in model.ancestors[c][1:] if a in family}
         keep_choices = [
-            [frozenset(c) for r in range(len(model.segments[s].candidates) + 1)
-             for c in itertools.combinations(model.segments[s].candidates, r)]
+            [frozenset()]
+            if s in nested
+            else [
+                frozenset(c)
+                for r in range(len(model.segments[s].candidates) + 1)
+                for c in itertools.combinations(model.segments[s].candidates, r)
+            ]
             for s in family
         ]
         for kept in itertools.product(*keep_choices):

@@ -4,16 +4,19 @@ The simulator is exact but not linear in the decisions. For CP-SAT we write the 
 bytes at each point of the step as
 
     live(q) = base(q) + sum_c x_c * seg_delta[c, q] + sum_(c,i) k_ci * keep_delta[(c, i), q]
+                      + sum_(o,n) y_on * nest_delta[(o, n), q]
 
-where x_c chooses segment c (nothing kept) and k_ci keeps op i inside c. Each delta row
-is the simulator's own difference between a one-segment plan and the empty plan (or a
-one-keep plan and the bare segment), computed from only the storages that segment or keep
-can move, so the model is exact for single segments; for
+where x_c chooses segment c (nothing kept), k_ci keeps op i inside c and y_on nests
+segment n in segment o. Each delta row is the simulator's own difference between a
+one-segment plan and the empty plan (or a one-keep plan and the bare segment, or a nested
+pair and its two segments alone), computed from only the storages those can move, so the
+model is exact for single segments and single nested pairs; for
 several segments interactions are not captured, which is why every solution is checked
 by the simulator again and the loop adds what it missed.
 
 Points q are the event keys of the simulator: after op t's allocations in the main
-timeline, and after each allocation inside each segment's recompute burst.
+timeline, and after each allocation inside each segment's recompute burst (a nested
+segment's burst has points of its own, ordered after its outer segment's).
 """
 
 from __future__ import annotations
@@ -24,14 +27,23 @@ from functools import cached_property
 import numpy as np
 
 from monet_cli.core.segments import SegmentModel
-from monet_cli.core.simulate import Key, Plan, burst_key, keep_delta_events, memory_events, segment_delta_events
+from monet_cli.core.simulate import (
+    Key,
+    Plan,
+    burst_key,
+    keep_delta_events,
+    memory_events,
+    nest_delta_events,
+    segment_delta_events,
+)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Point:
     key: Key
-    burst_of: int | None
-    """The segment whose recompute burst this point is in (None: the main timeline)."""
+    burst_of: int | tuple[int, int] | None
+    """The segment whose recompute burst this point is in, (outer, inner) for a nested
+    segment's (None: the main timeline)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,19 +91,23 @@ class LinearMemory:
 
     # -- keys -------------------------------------------------------------------------
     def _points(self) -> list[Point]:
-        points = [Point(key=(t, 2), burst_of=None) for t in range(-1, self.model.end)]
-        for call, seg in self.model.segments.items():
-            if seg.burst_pos is None:
-                continue
-            for op in range(seg.first_op, seg.stop):
-                points.append(Point(key=burst_key(self.model, call, op, 1), burst_of=call))
+        model = self.model
+        points = [Point(key=(t, 2), burst_of=None) for t in range(-1, model.end)]
+        for call, seg in model.segments.items():
+            if seg.burst_pos is not None:
+                frame = model.frames({call: frozenset()})[call]
+                points += [Point(key=burst_key(model, frame, op, 1), burst_of=call) for op in range(seg.first_op, seg.stop)]
+        for outer, inner in model.nest_pairs:
+            frame = model.frames({outer: frozenset(), inner: frozenset()})[inner]
+            points += [Point(key=burst_key(model, frame, op, 1), burst_of=(outer, inner))
+                       for op in range(frame.first_op, frame.stop)]
         return points
 
     @cached_property
     def _scale(self) -> tuple[int, int]:
         f = len(self.model.profile.ops) + 2
-        # Burst codes use (f + neg_first) in 0..f and op in 0..f-1: keep them below span - 1.
-        return f, 4 + 2 * (f + 1) * (f + 1)
+        # Burst codes use (f + neg_first) in 0..f, depth in 0..1 and op in 0..f-1: keep them below span - 1.
+        return f, 4 + 4 * (f + 1) * (f + 1)
 
     def encode(self, key: Key) -> int:
         """Order-preserving integer for an event key (so numpy can sort and search)."""
@@ -101,8 +117,8 @@ class LinearMemory:
             return base
         if key[1] == 2:
             return base + span - 1
-        _, _, neg_first, op, sub = key
-        return base + 1 + ((f + neg_first) * f + op) * 2 + sub
+        _, _, neg_first, depth, op, sub = key
+        return base + 1 + (((f + neg_first) * 2 + depth) * f + op) * 2 + sub
 
     # -- rows ---------------------------------------------------------------------------
     def live(self, plan: Plan) -> np.ndarray:
@@ -145,6 +161,10 @@ class LinearMemory:
         return {(c, i): self._step_row(keep_delta_events(self.model, c, i))
                 for c, seg in self.model.segments.items() for i in seg.candidates}
 
+    @cached_property
+    def nest_delta(self) -> dict[tuple[int, int], StepRow]:
+        return {pair: self._step_row(nest_delta_events(self.model, *pair)) for pair in self.model.nest_pairs}
+
     def predict(self, plan: Plan) -> np.ndarray:
         """The linear model's live bytes under ``plan`` (bursts of unchosen segments masked)."""
         total = self.base.copy()
@@ -152,11 +172,18 @@ class LinearMemory:
             self.seg_delta[c].add_to(total)
             for i in kept:
                 self.keep_delta[(c, i)].add_to(total)
+        for pair in nested_pairs(self.model, plan):
+            self.nest_delta[pair].add_to(total)
         return np.where(self.active_mask(plan), total, 0)
 
-    def coefficients_at(self, j: int) -> tuple[dict[int, int], dict[tuple[int, int], int]]:
-        """Every non-zero segment and keep coefficient at point ``j``."""
-        return _nonzero_at(self.seg_delta, self._seg_spans, j), _nonzero_at(self.keep_delta, self._keep_spans, j)
+    def coefficients_at(self, j: int) -> tuple[dict[int, int], dict[tuple[int, int], int], dict[tuple[int, int], int]]:
+        """Every non-zero segment, keep and nesting coefficient at point ``j``."""
+        return (_nonzero_at(self.seg_delta, self._seg_spans, j), _nonzero_at(self.keep_delta, self._keep_spans, j),
+                _nonzero_at(self.nest_delta, self._nest_spans, j))
+
+    @cached_property
+    def _nest_spans(self) -> tuple[list, np.ndarray, np.ndarray]:
+        return _spans(self.nest_delta)
 
     @cached_property
     def _seg_spans(self) -> tuple[list, np.ndarray, np.ndarray]:
@@ -171,9 +198,10 @@ class LinearMemory:
         one with the highest base. Only it can bind within its stretch."""
         n = len(self.points)
         cuts = {0}
-        for row in (*self.seg_delta.values(), *self.keep_delta.values()):
+        for row in (*self.seg_delta.values(), *self.keep_delta.values(), *self.nest_delta.values()):
             cuts.update(row.at.tolist())
-        owner = np.array([-1 if p.burst_of is None else p.burst_of for p in self.points], dtype=np.int64)
+        bursts: dict = {None: -1}
+        owner = np.array([bursts.setdefault(p.burst_of, len(bursts)) for p in self.points], dtype=np.int64)
         cuts.update((np.flatnonzero(np.diff(owner)) + 1).tolist())
         starts = np.array(sorted(cuts), dtype=np.int64)
         stretch = np.searchsorted(starts, np.arange(n), side="right") - 1
@@ -182,7 +210,21 @@ class LinearMemory:
         return np.sort(order[first])
 
     def active_mask(self, plan: Plan) -> np.ndarray:
-        return np.array([p.burst_of is None or p.burst_of in plan for p in self.points])
+        """The points that exist in ``plan``'s step: a nested segment's burst runs at its own
+        points, not at those of the segment chosen alone, and an outer segment's burst stops
+        earlier than it would alone."""
+        nested = set(nested_pairs(self.model, plan))
+        stop = {call: frame.stop for call, frame in self.model.frames(plan).items() if frame.outer is None}
+        return np.array([
+            p.burst_of is None or (p.burst_of in nested if isinstance(p.burst_of, tuple)
+                                   else p.burst_of in stop and p.key[-2] < stop[p.burst_of])
+            for p in self.points
+        ])
+
+
+def nested_pairs(model: SegmentModel, plan: Plan) -> list[tuple[int, int]]:
+    """The (outer, inner) pairs ``plan`` nests."""
+    return [(outer, inner) for outer, inner in model.nest_pairs if outer in plan and inner in plan]
 
 
 def _spans(rows: dict) -> tuple[list, np.ndarray, np.ndarray]:

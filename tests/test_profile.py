@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
 import torch
 from conftest import small_spec
 
@@ -152,3 +153,28 @@ def test_loader_rejects_changed_types(resnet18_profile):
     del data["fingerprint"]
     with pytest.raises(FileFormatError, match=r"x.yaml: fingerprint: missing key"):
         profile_from_data(data, source="x.yaml")
+
+
+def test_checkpoint_machinery_is_priced_per_saved_tensor(resnet18_profile):
+    """Each tensor a frame saves costs a pack, a second pack in the recompute and an unpack:
+    the profile measures that apart from the fixed cost of a checkpointed call."""
+    from dataclasses import replace
+
+    from monet_cli.core.profile import Overheads
+    from monet_cli.core.segments import SegmentModel
+
+    measured = resnet18_profile.overheads
+    assert measured.saved_tensor_ms > 0 and measured.segment_ms >= 0
+    costs = Overheads(segment_ms=0.5, saved_tensor_ms=0.01, policy_op_ms=0.002)
+    model = SegmentModel(replace(resnet18_profile, overheads=costs))
+    for call, seg in model.segments.items():
+        assert model.overhead_ms(call) == pytest.approx(0.5 + 0.01 * len(seg.packs))
+        kept = frozenset(seg.candidates[:1])
+        if kept:
+            policy = 0.002 * 2 * (seg.end_op - seg.first_op)
+            assert model.overhead_ms(call, kept) == pytest.approx(0.5 + 0.01 * len(seg.packs) + policy)
+    outer, inner = model.nest_pairs[0]
+    frame = model.frames({outer: frozenset(), inner: frozenset()})[outer]
+    own = len(model.segments[outer].packs) - len(model.segments[inner].packs)
+    assert frame.saves == own + len(resnet18_profile.calls[inner].inputs)
+    assert model.overhead_ms(outer, frame=frame) == pytest.approx(0.5 + 0.01 * frame.saves)

@@ -38,7 +38,7 @@ def segment_decisions(model: SegmentModel, plan: Plan) -> tuple[SegmentDecision,
             SegmentDecision(
                 module=seg.fqn, call=call, first_op=seg.first_op, end_op=seg.end_op,
                 recompute_ms=round(model.recompute_ms(call, plan[call], frames[call]), 4),
-                overhead_ms=round(model.overhead_ms(call, plan[call]), 4), decisions=decisions,
+                overhead_ms=round(model.overhead_ms(call, plan[call], frames[call]), 4), decisions=decisions,
             )
         )
     return tuple(segments)

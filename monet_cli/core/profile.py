@@ -123,7 +123,12 @@ class Overheads:
     """Time the checkpoint machinery itself costs on this device, measured by ``monet profile``."""
 
     segment_ms: float = 0.0
-    """One checkpointed call, forward and backward, beyond re-running its ops."""
+    """One checkpointed call, forward and backward, beyond re-running its ops and beyond
+    ``saved_tensor_ms`` per saved tensor."""
+    saved_tensor_ms: float = 0.0
+    """Each tensor autograd saves inside a segment: the frame's pack hook in the forward and
+    again in the recompute, and its unpack. Profiles made before it was measured say 0 (their
+    ``segment_ms`` then covers a segment of 20 saved tensors)."""
     policy_op_ms: float = 0.0
     """Each op inside a segment with a selective keep policy (its dispatch modes run in forward and recompute)."""
 

@@ -56,6 +56,8 @@ class Frame:
     stop: int
     burst_pos: int | None
     frame_end: int
+    saves: int
+    """Tensors saved through this frame's hooks: its own saves and nested calls' arguments."""
     outer: int | None
     """The chosen segment this one is nested in."""
     order: tuple[int, int]
@@ -173,20 +175,20 @@ class SegmentModel:
         frames = {}
         for c in plan:
             seg = self.segments[c]
-            stop, burst_pos, frame_end = seg.stop, seg.burst_pos, seg.frame_end
+            stop, burst_pos, frame_end, saves = seg.stop, seg.burst_pos, seg.frame_end, len(seg.packs)
             if inner[c]:
-                stop, burst_pos, frame_end = self._outer_frame(seg, [self.segments[i] for i in inner[c]])
+                stop, burst_pos, frame_end, saves = self._outer_frame(seg, [self.segments[i] for i in inner[c]])
             depth = sum(1 for a in self.ancestors[c][1:] if a in plan)
             top = next((a for a in reversed(self.ancestors[c]) if a in plan), c)
             frames[c] = Frame(
                 call=c, first_op=seg.first_op, end_op=seg.end_op, stop=stop, burst_pos=burst_pos,
-                frame_end=frame_end, outer=outer[c], order=(-self.segments[top].first_op, depth),
+                frame_end=frame_end, saves=saves, outer=outer[c], order=(-self.segments[top].first_op, depth),
             )
         return frames
 
-    def _outer_frame(self, seg: SegmentInfo, nested: list[SegmentInfo]) -> tuple[int, int | None, int]:
-        """stop, burst position and frame end of ``seg`` holding ``nested`` segments: its own
-        saves plus each nested call's arguments, which that call's recompute unpacks."""
+    def _outer_frame(self, seg: SegmentInfo, nested: list[SegmentInfo]) -> tuple[int, int | None, int, int]:
+        """stop, burst position, frame end and saves of ``seg`` holding ``nested`` segments:
+        its own saves plus each nested call's arguments, which that call's recompute unpacks."""
         packs = self.profile.packs
         inside = {p for n in nested for p in n.packs}
         own = [p for p in seg.packs if p not in inside]
@@ -194,7 +196,8 @@ class SegmentModel:
         unpacks = [packs[p].unpack for p in own if packs[p].unpack is not None]
         unpacks += [n.burst_pos for n in nested if n.burst_pos is not None]
         frame_end = max([self.release(p) for p in own] + [n.frame_end for n in nested])
-        return stop, min(unpacks) if unpacks else None, frame_end
+        saves = len(own) + sum(len(self.profile.calls[n.call].inputs) for n in nested)
+        return stop, min(unpacks) if unpacks else None, frame_end, saves
 
     def recompute_ms(self, call_index: int, kept: frozenset[int] = frozenset(), frame: Frame | None = None) -> float:
         """Profiled time of the ops a segment's recompute re-runs (as ``frame`` when nested)."""
@@ -204,16 +207,18 @@ class SegmentModel:
         ops = self.profile.ops
         return sum((ops[i].time_ms for i in range(self.segments[call_index].first_op, stop) if i not in kept), 0.0)
 
-    def overhead_ms(self, call_index: int, kept: frozenset[int] = frozenset()) -> float:
-        """Checkpoint machinery time of a segment; the selective policy only runs when it keeps ops."""
+    def overhead_ms(self, call_index: int, kept: frozenset[int] = frozenset(), frame: Frame | None = None) -> float:
+        """Checkpoint machinery time of a segment: the call, each tensor saved through its
+        frame (as ``frame`` when nested), and the selective policy's dispatch when it keeps ops."""
         seg = self.segments[call_index]
         costs = self.profile.overheads
+        saves = frame.saves if frame else len(seg.packs)
         policy = costs.policy_op_ms * 2 * (seg.end_op - seg.first_op) if kept else 0.0
-        return costs.segment_ms + policy
+        return costs.segment_ms + costs.saved_tensor_ms * saves + policy
 
     def added_ms(self, call_index: int, kept: frozenset[int] = frozenset(), frame: Frame | None = None) -> float:
         """What checkpointing the segment adds to the step: re-run ops plus machinery."""
-        return self.recompute_ms(call_index, kept, frame) + self.overhead_ms(call_index, kept)
+        return self.recompute_ms(call_index, kept, frame) + self.overhead_ms(call_index, kept, frame)
 
     def occurrence(self, call_index: int, op_index: int) -> int:
         """Index of the op among same-overload ops of the segment (the SAC policy key)."""

@@ -1,9 +1,13 @@
 """What checkpointing costs beyond re-running ops, measured on the target device.
 
-A tiny chain of cheap ops runs forward and backward plainly, under non-reentrant
-checkpoint, and under checkpoint with a selective policy. The differences give the
-fixed cost of one checkpointed call and the per-op cost of the policy's dispatch modes:
-small on a large model, but a real share of the step on a small fast one.
+Chains of cheap ops, each saving one tensor, run forward and backward plainly, under
+non-reentrant checkpoint, and under checkpoint with a selective policy. The machinery of a
+checkpointed chain (its time minus the plain step and minus a forward that builds the
+graph, which is what the recompute re-runs) grows with the tensors the frame saves: a
+short and a long chain give the fixed cost of one checkpointed call and the cost of each
+saved tensor (packed in the forward and again in the recompute, then unpacked). The
+selective policy's dispatch modes add a cost per op. Small on a large model, but a real
+share of the step on a small fast one.
 """
 
 from __future__ import annotations
@@ -18,15 +22,19 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from monet_cli.core.profile import Overheads
 
-CHAIN_OPS = 20
+SHORT, LONG = 4, 44
+"""Chain lengths; tanh saves its output, so each op adds one saved tensor."""
 REPS = 100
 ROUNDS = 5
 
 
-def _chain(x: torch.Tensor) -> torch.Tensor:
-    for _ in range(CHAIN_OPS):
-        x = torch.tanh(x)
-    return x
+def _chain(length: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    def run(x: torch.Tensor) -> torch.Tensor:
+        for _ in range(length):
+            x = torch.tanh(x)
+        return x
+
+    return run
 
 
 def _recompute_all(ctx, op, *args, **kwargs):
@@ -47,28 +55,38 @@ def _median_ms(step: Callable[[], None], device: torch.device) -> float:
     return statistics.median(rounds)
 
 
-@functools.cache  # a property of the device and torch, not of the model: measured once per process
-def measure_overheads(device: torch.device) -> Overheads:
-    x = torch.randn(8, device=device, requires_grad=True)
+def _machinery_ms(length: int, x: torch.Tensor, device: torch.device) -> tuple[float, float]:
+    """(checkpoint machinery, selective policy on top) of one checkpointed chain, in ms."""
+    chain = _chain(length)
 
     def plain() -> None:
-        _chain(x).sum().backward()
+        chain(x).sum().backward()
 
-    def forward_only() -> None:
-        with torch.no_grad():
-            _chain(x)
+    def graph_forward() -> None:
+        chain(x)
 
     def checkpointed() -> None:
-        checkpoint(_chain, x, use_reentrant=False).sum().backward()
+        checkpoint(chain, x, use_reentrant=False).sum().backward()
 
     def selective() -> None:
         context = lambda: create_selective_checkpoint_contexts(_recompute_all)  # noqa: E731
-        checkpoint(_chain, x, use_reentrant=False, context_fn=context).sum().backward()
+        checkpoint(chain, x, use_reentrant=False, context_fn=context).sum().backward()
 
-    for fn in (plain, checkpointed, selective):  # warm-up
+    for fn in (plain, graph_forward, checkpointed, selective):  # warm-up
         fn()
-    t_plain, t_forward = _median_ms(plain, device), _median_ms(forward_only, device)
+    t_plain, t_forward = _median_ms(plain, device), _median_ms(graph_forward, device)
     t_checkpoint, t_selective = _median_ms(checkpointed, device), _median_ms(selective, device)
-    segment_ms = max(0.0, t_checkpoint - t_plain - t_forward)  # minus the re-run the profile already prices
-    policy_op_ms = max(0.0, (t_selective - t_checkpoint) / (2 * CHAIN_OPS))  # forward and recompute
-    return Overheads(segment_ms=round(segment_ms, 5), policy_op_ms=round(policy_op_ms, 6))
+    return t_checkpoint - t_plain - t_forward, t_selective - t_checkpoint
+
+
+@functools.cache  # a property of the device and torch, not of the model: measured once per process
+def measure_overheads(device: torch.device) -> Overheads:
+    x = torch.randn(8, device=device, requires_grad=True)
+    short, _ = _machinery_ms(SHORT, x, device)
+    long, policy = _machinery_ms(LONG, x, device)
+    saved_tensor_ms = max(0.0, (long - short) / (LONG - SHORT))
+    return Overheads(
+        segment_ms=round(max(0.0, short - SHORT * saved_tensor_ms), 5),
+        saved_tensor_ms=round(saved_tensor_ms, 6),
+        policy_op_ms=round(max(0.0, policy / (2 * LONG)), 6),  # forward and recompute
+    )

@@ -54,6 +54,7 @@ def measure(family: str, depth: int, time_limit_s: float, workers: int) -> dict:
     return {
         "family": family, "depth": depth, "forward_ops": len(profile.ops), "segments": len(segments.segments),
         "keep_candidates": sum(len(s.candidates) for s in segments.segments.values()),
+        "nest_pairs": len(segments.nest_pairs),
         "profile_s": round(profile_s, 2), "planner_setup_s": round(setup_s, 2), "solve_s": round(outcome.time_s, 2),
         "solve_total_s": round(setup_s + outcome.time_s, 2), "status": outcome.status, "method": outcome.method,
         "gap": outcome.gap, "rounds": outcome.rounds,

@@ -28,6 +28,10 @@ SAC_IGNORED_OPS = frozenset({
 })
 
 
+MAX_NESTED_CHILDREN = 8
+"""A segment with more sub-segments than this (a stack of layers) holds none nested."""
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class SegmentInfo:
     call: int
@@ -156,14 +160,28 @@ class SegmentModel:
     def nest_pairs(self) -> tuple[tuple[int, int], ...]:
         """(outer, inner): each segment with the nearest enclosing segment, which may hold it
         nested. Both must be recomputed at some point (a recompute that never runs nests
-        nothing). Nearest only: the pairs grow with the number of segments, not with depth."""
+        nothing). Nearest only, and outers of at most ``MAX_NESTED_CHILDREN`` segments (a
+        layer holding its attention, not a stack of layers holding one): the pairs grow with
+        the number of segments, and each pair's rows with its outer's size, not the model's.
+        An inner segment that saves only its arguments (a Linear) is left out: nested, the
+        outer would save the same tensors for it, and its recompute would only add time."""
         bursting = {c for c, seg in self.segments.items() if seg.burst_pos is not None}
-        pairs = []
-        for inner in sorted(bursting):
-            outer = next((a for a in self.ancestors[inner][1:] if a in self.segments), None)
-            if outer in bursting:
-                pairs.append((outer, inner))
-        return tuple(pairs)
+        nearest = {c: next((a for a in self.ancestors[c][1:] if a in self.segments), None) for c in bursting}
+        children: dict[int | None, int] = defaultdict(int)
+        for outer in nearest.values():
+            children[outer] += 1
+        return tuple(
+            (outer, inner) for inner, outer in sorted(nearest.items())
+            if outer in bursting and children[outer] <= MAX_NESTED_CHILDREN and self._saves_what_it_makes(inner)
+        )
+
+    def _saves_what_it_makes(self, call_index: int) -> bool:
+        seg = self.segments[call_index]
+        storages, packs = self.profile.storages, self.profile.packs
+        return any(
+            storages[packs[p].storage].producer is not None and seg.first_op <= storages[packs[p].storage].producer < seg.end_op
+            for p in seg.packs
+        )
 
     def frames(self, plan: dict[int, frozenset[int]]) -> dict[int, Frame]:
         """Each chosen segment's recompute under ``plan`` (checked by ``nesting_problem``)."""
@@ -201,11 +219,12 @@ class SegmentModel:
 
     def recompute_ms(self, call_index: int, kept: frozenset[int] = frozenset(), frame: Frame | None = None) -> float:
         """Profiled time of the ops a segment's recompute re-runs (as ``frame`` when nested)."""
-        stop, burst_pos = (frame.stop, frame.burst_pos) if frame else (self.segments[call_index].stop, self.segments[call_index].burst_pos)
+        seg = self.segments[call_index]
+        stop, burst_pos = (frame.stop, frame.burst_pos) if frame else (seg.stop, seg.burst_pos)
         if burst_pos is None:
             return 0.0
         ops = self.profile.ops
-        return sum((ops[i].time_ms for i in range(self.segments[call_index].first_op, stop) if i not in kept), 0.0)
+        return sum((ops[i].time_ms for i in range(seg.first_op, stop) if i not in kept), 0.0)
 
     def overhead_ms(self, call_index: int, kept: frozenset[int] = frozenset(), frame: Frame | None = None) -> float:
         """Checkpoint machinery time of a segment: the call, each tensor saved through its
@@ -225,9 +244,6 @@ class SegmentModel:
         seg = self.segments[call_index]
         name = self.profile.ops[op_index].op
         return sum(1 for i in range(seg.first_op, op_index) if self.profile.ops[i].op == name)
-
-    def overlaps(self, a: int, b: int) -> bool:
-        return a in self.ancestors[b] or b in self.ancestors[a]
 
     def _outer_first(self, plan: dict[int, frozenset[int]]) -> list[int]:
         return sorted(plan, key=lambda call: len(self.ancestors[call]))

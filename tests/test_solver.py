@@ -182,3 +182,15 @@ def test_schedule_files_hold_nested_pairs_and_refuse_other_overlaps(two_branch, 
     crossing = replace(inner, first_op=outer.end_op - 1, end_op=outer.end_op + 1, decisions=())
     edited = with_content_hash(replace(schedule, segments=(outer, crossing)))
     assert "overlap" in consistency_problem(edited)
+
+
+def test_a_given_plan_that_fits_is_kept_when_the_solver_has_no_time(two_branch):
+    """Near the smallest peak the level plans do not fit; a caller's plan that does (the
+    smallest peak's) is returned, labelled, instead of nothing."""
+    profile, model, scored = two_branch
+    planner = Planner(model)
+    lowest = planner.minimum_peak(time_limit_s=10, workers=1, seed=0)
+    without = planner.solve(lowest.peak_bytes, time_limit_s=0.01, workers=1, seed=0)
+    assert without.plan is None
+    given = planner.solve(lowest.peak_bytes, time_limit_s=0.01, workers=1, seed=0, hint=lowest.plan)
+    assert given.plan == lowest.plan and given.status == "FEASIBLE" and given.method == "heuristic (given plan)"

@@ -90,6 +90,10 @@ class Planner:
         name, heuristic, fits = best_heuristic(self.linear, budget_bytes)
         report(f"warm start: {name} ({'fits' if fits else 'over budget'})")
         best = (heuristic, simulate(self.profile, heuristic, model=self.model)) if fits else None
+        if hint is not None:  # a plan the caller knows (the smallest peak's, a sweep's last one)
+            hinted = simulate(self.profile, hint, model=self.model)
+            if hinted.peak_bytes <= budget_bytes and (best is None or hinted.step_ms < best[1].step_ms):
+                name, best = "given plan", (hint, hinted)
         rows = self._highest_rows()
         status, objective, bound, rounds = "UNKNOWN", None, None, 0
         for rounds in range(1, MAX_ROUNDS + 1):

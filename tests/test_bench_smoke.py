@@ -16,5 +16,15 @@ def test_bench_smoke(tmp_path: Path):
     assert {"baseline", "pytorch", "monet"} <= kinds
     monet = [p for p in result["points"] if p["kind"] == "monet"]
     assert monet and all(p["within_budget"] and abs(p["prediction_error"]) <= 0.02 for p in monet)
-    text = render([result], None, None, tmp_path / "img")
+    text = render([result], None, None, None, tmp_path / "img")
     assert "| monet 90% |" in text and "Targets:" in text
+
+
+def test_nesting_bench_measures_the_nested_floor(tmp_path: Path):
+    from bench.nesting import measure
+
+    row = measure("gpt", time_limit_s=10, workers=1)
+    assert row["nested_floor_bytes"] <= row["flat_floor_bytes"] < row["baseline_peak_bytes"]
+    assert row["within_budget"] and row["grads_equal"] and abs(row["error"]) <= 0.02
+    text = render([], None, None, {"rows": [row]}, tmp_path / "img")
+    assert "## Nested segments" in text and "| gpt |" in text

@@ -224,7 +224,7 @@ def scale_table(scale: dict[str, Any]) -> str:
         gap = "-" if row["gap"] is None else f"{100 * row['gap']:.2f}%"
         lines.append(
             f"| {row['family']} | {row['depth']} | {row['forward_ops']:,} | {row['segments']} | {row['keep_candidates']:,} "
-            f"| {row.get('nest_pairs', '-')} "
+            f"| {row['nest_pairs']} "
             f"| {row['profile_s']:.1f} s | {row['planner_setup_s']:.1f} s | {row['solve_s']:.1f} s "
             f"| {row['solve_total_s']:.1f} s | {row['status']} ({row['method']}) | {gap} |"
         )

@@ -38,14 +38,6 @@ class MemoryRow:
     burst_of: int | tuple[int, int] | None
     slack: int = 0
     """Bytes the simulator found this point under-predicted by (a cut from the solve loop)."""
-    slack_when: tuple[tuple, ...] = ()
-    """The decisions of the answer the slack was measured on that move this point:
-    ``("seg", c)``, ``("keep", c, i)``, ``("nest", o, n)``. The slack applies only when all
-    of them are chosen (segments interacting); empty: always."""
-
-    def slack_for(self, plan: Plan) -> int:
-        """The slack this row adds for ``plan``."""
-        return self.slack if all(_chosen(d, plan) for d in self.slack_when) else 0
 
 
 @dataclass
@@ -96,26 +88,11 @@ def objective_us(costs: Costs, plan: Plan) -> int:
     ) + sum(cost for (outer, inner), cost in costs.nest.items() if outer in plan and inner in plan)
 
 
-def row_at(linear: LinearMemory, j: int, slack: int = 0, plan: Plan | None = None) -> MemoryRow:
-    """The memory constraint of point ``j``; with a slack, measured on ``plan``, a cut that
-    applies when ``plan``'s decisions that move this point are all chosen again."""
+def row_at(linear: LinearMemory, j: int, slack: int = 0) -> MemoryRow:
+    """The memory constraint of point ``j``."""
     seg_coefs, keep_coefs, nest_coefs = linear.coefficients_at(j)
-    when: tuple[tuple, ...] = ()
-    if slack and plan is not None:
-        decisions = [("seg", c) for c in seg_coefs] + [("keep", *k) for k in keep_coefs]
-        decisions += [("nest", *pair) for pair in nest_coefs]
-        when = tuple(d for d in decisions if _chosen(d, plan))
     return MemoryRow(point=j, base=int(linear.base[j]), seg_coefs=seg_coefs, keep_coefs=keep_coefs,
-                     nest_coefs=nest_coefs, burst_of=linear.points[j].burst_of, slack=slack, slack_when=when)
-
-
-def _chosen(decision: tuple, plan: Plan) -> bool:
-    kind, *key = decision
-    if kind == "seg":
-        return key[0] in plan
-    if kind == "keep":
-        return key[0] in plan and key[1] in plan[key[0]]
-    return key[0] in plan and key[1] in plan
+                     nest_coefs=nest_coefs, burst_of=linear.points[j].burst_of, slack=slack)
 
 
 def build_model(
@@ -180,7 +157,7 @@ def _add_overlaps(cp: cp_model.CpModel, model: SegmentModel, v: Variables) -> No
 
 
 def _add_memory_row(cp: cp_model.CpModel, v: Variables, row: MemoryRow, budget_bytes: int | None) -> None:
-    expr = (row.base + _slack_term(cp, v, row) + sum(coef * v.seg[c] for c, coef in row.seg_coefs.items())
+    expr = (row.base + row.slack + sum(coef * v.seg[c] for c, coef in row.seg_coefs.items())
             + sum(coef * v.keep[k] for k, coef in row.keep_coefs.items())
             + sum(coef * v.nest[pair] for pair, coef in row.nest_coefs.items()))
     limit = v.peak if v.peak is not None else budget_bytes
@@ -189,17 +166,6 @@ def _add_memory_row(cp: cp_model.CpModel, v: Variables, row: MemoryRow, budget_b
         constraint.only_enforce_if(v.nest[row.burst_of])
     elif row.burst_of is not None:
         constraint.only_enforce_if(v.seg[row.burst_of])
-
-
-def _slack_term(cp: cp_model.CpModel, v: Variables, row: MemoryRow):
-    """``row.slack`` when every decision in ``row.slack_when`` is chosen, else 0."""
-    if not row.slack or not row.slack_when:
-        return row.slack
-    chosen = [v.seg[key[0]] if kind == "seg" else v.keep[tuple(key)] if kind == "keep" else v.nest[tuple(key)]
-              for kind, *key in row.slack_when]
-    together = cp.new_bool_var(f"together[{row.point}]")
-    cp.add(sum(chosen) - (len(chosen) - 1) <= together)
-    return row.slack * together
 
 
 def add_hint(cp: cp_model.CpModel, v: Variables, plan: Plan) -> None:

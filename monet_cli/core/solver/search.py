@@ -140,7 +140,7 @@ class Planner:
     def _violated_rows(self, rows: list[MemoryRow], plan: Plan, limit_bytes: int) -> list[MemoryRow]:
         """Rows ``plan`` puts over ``limit_bytes``: missing rows of the linear model, most
         violated first, and cuts where the simulator counts more than the linear model (the
-        missing bytes become the row's slack, for plans that choose the same decisions there)."""
+        missing bytes become the row's slack)."""
         exact = self.linear.live(plan)
         predicted = self.linear.predict(plan)
         active = self.linear.active_mask(plan)
@@ -151,7 +151,7 @@ class Planner:
         under = np.flatnonzero(active & (exact > limit_bytes) & (exact > predicted))
         under = under[np.argsort(-exact[under], kind="stable")][:LAZY_ROWS]
         return [row_at(self.linear, int(j)) for j in missing] + [
-            row_at(self.linear, int(j), int(exact[j] - predicted[j]), plan) for j in under
+            row_at(self.linear, int(j), int(exact[j] - predicted[j])) for j in under
         ]
 
     def _outcome(self, plan, result, status, method, objective, bound, start, rounds) -> SolveOutcome:
@@ -182,7 +182,7 @@ class Planner:
             candidates.append(cp_result.plan)
             # The model's own peak for this answer: the highest of the rows it had.
             predicted = self.linear.predict(cp_result.plan)
-            relaxed = max(int(predicted[row.point]) + row.slack_for(cp_result.plan) for row in rows)
+            relaxed = max(int(predicted[row.point]) + row.slack for row in rows)
             added = self._violated_rows(rows, cp_result.plan, relaxed)
             if not added:
                 break

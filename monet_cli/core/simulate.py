@@ -59,28 +59,26 @@ def segment_delta_events(model: SegmentModel, call: int, kept: frozenset[int]) -
     """``memory_events({call: kept})`` minus ``memory_events({})``, computed from the storages
     that checkpointing ``call`` can move (the others cancel): what the solver's linear model
     needs for every segment and keep, without simulating the whole step each time."""
-    plan = {call: kept}
-    _check_plan(model, plan)
-    chosen, empty = _Events(model, plan), _Events(model, {})
-    for sid in model.touched_storages(call):
-        storage = model.profile.storages[sid]
-        chosen.add_storage(storage)
-        empty.add_storage(storage)
-    chosen.add_burst(call)
-    return chosen.items + [(key, -delta) for key, delta in empty.items]
+    return _signed_events(model, (({call: kept}, 1), ({}, -1)), model.touched_storages(call))
 
 
 def nest_delta_events(model: SegmentModel, outer: int, inner: int) -> list[tuple[Key, int]]:
     """What nesting ``inner`` in ``outer`` adds beyond choosing each alone:
     ``memory_events({outer, inner}) - memory_events({outer}) - memory_events({inner}) +
     memory_events({})``, from the storages either segment can move."""
-    plans = ({outer: frozenset(), inner: frozenset()}, {outer: frozenset()}, {inner: frozenset()}, {})
+    bare = frozenset()
+    signed = (({outer: bare, inner: bare}, 1), ({outer: bare}, -1), ({inner: bare}, -1), ({}, 1))
     touched = sorted(set(model.touched_storages(outer)) | set(model.touched_storages(inner)))
+    return _signed_events(model, signed, touched)
+
+
+def _signed_events(model: SegmentModel, signed_plans: tuple[tuple[Plan, int], ...], storages: list[int]) -> list[tuple[Key, int]]:
+    """The sum of each plan's events over ``storages`` and its bursts, times its sign."""
     items: list[tuple[Key, int]] = []
-    for plan, sign in zip(plans, (1, -1, -1, 1)):
+    for plan, sign in signed_plans:
         _check_plan(model, plan)
         events = _Events(model, plan)
-        for sid in touched:
+        for sid in storages:
             events.add_storage(model.profile.storages[sid])
         for call in plan:
             events.add_burst(call)
@@ -109,8 +107,9 @@ def burst_key(model: SegmentModel, frame: Frame, op: int, sub: int) -> Key:
 
 def simulate(profile: Profile, plan: Plan, *, model: SegmentModel | None = None, timeline: bool = False) -> SimResult:
     model = model or SegmentModel(profile)
-    peak, peak_key, points = _sweep(memory_events(model, plan), timeline)
-    frames = model.frames(plan)
+    events = _events(model, plan)
+    peak, peak_key, points = _sweep(events.items, timeline)
+    frames = events.frames
     recompute_ms = sum((model.recompute_ms(call, kept, frames[call]) for call, kept in plan.items()), 0.0)
     added_ms = sum((model.added_ms(call, kept, frames[call]) for call, kept in plan.items()), 0.0)
     return SimResult(

@@ -109,27 +109,26 @@ def build_model(
             v.keep[(c, i)] = cp.new_bool_var(f"keep[{c},{i}]")
             cp.add_implication(v.keep[(c, i)], v.policy[c])
     _add_overlaps(cp, model, v)
-    top = max((r.base + sum(max(0, x) for coefs in (r.seg_coefs, r.keep_coefs, r.nest_coefs) for x in coefs.values())
-               for r in rows), default=0)
     if min_peak:
+        top = max((r.base + sum(max(0, x) for coefs in (r.seg_coefs, r.keep_coefs, r.nest_coefs) for x in coefs.values())
+                   for r in rows), default=0)
         v.peak = cp.new_int_var(0, max(top, 1), "peak")
     for row in rows:
         _add_memory_row(cp, v, row, budget_bytes)
-    costs = step_costs(model)
-    time_us = (
-        sum(costs.seg[c] * v.seg[c] for c in v.seg)
-        + sum(costs.policy[c] * v.policy[c] for c in v.policy)
-        - sum(costs.keep_saving[k] * v.keep[k] for k in v.keep)
-        + sum(costs.nest[pair] * v.nest[pair] for pair in v.nest)
-    )
     if min_peak:
         # The peak alone: weighted with the time as a tie-break, the objective's coefficients
         # (bytes times microseconds) grew past what CP-SAT solves exactly, and it proved
         # "optimal" a 686 MiB mobilenet_v2 plan beside a feasible 262 MiB one. Callers that
         # want the fastest plan at the smallest peak solve for it with that budget.
         cp.minimize(v.peak)
-    else:
-        cp.minimize(time_us)
+        return cp, v
+    costs = step_costs(model)
+    cp.minimize(
+        sum(costs.seg[c] * v.seg[c] for c in v.seg)
+        + sum(costs.policy[c] * v.policy[c] for c in v.policy)
+        - sum(costs.keep_saving[k] * v.keep[k] for k in v.keep)
+        + sum(costs.nest[pair] * v.nest[pair] for pair in v.nest)
+    )
     return cp, v
 
 

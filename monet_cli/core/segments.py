@@ -177,11 +177,8 @@ class SegmentModel:
 
     def _saves_what_it_makes(self, call_index: int) -> bool:
         seg = self.segments[call_index]
-        storages, packs = self.profile.storages, self.profile.packs
-        return any(
-            storages[packs[p].storage].producer is not None and seg.first_op <= storages[packs[p].storage].producer < seg.end_op
-            for p in seg.packs
-        )
+        producers = (self.profile.storages[self.profile.packs[p].storage].producer for p in seg.packs)
+        return any(producer is not None and seg.first_op <= producer < seg.end_op for producer in producers)
 
     def frames(self, plan: dict[int, frozenset[int]]) -> dict[int, Frame]:
         """Each chosen segment's recompute under ``plan`` (checked by ``nesting_problem``)."""

@@ -11,6 +11,7 @@ import itertools
 
 from monet_cli.core.segments import SegmentModel
 from monet_cli.core.simulate import Plan, nesting_problem
+from monet_cli.core.solver.linear import nested_pairs
 
 
 def all_plans(model: SegmentModel) -> list[Plan]:
@@ -19,8 +20,7 @@ def all_plans(model: SegmentModel) -> list[Plan]:
         families += [f + [call] for f in families if not nesting_problem(model, dict.fromkeys(f + [call], frozenset()))]
     plans = []
     for family in families:
-        nested = {c for c in family for a in model.ancestors[c][1:] if a in family}
-        nested |= {a for c in nested for a in model.ancestors[c][1:] if a in family}
+        nested = {c for pair in nested_pairs(model, dict.fromkeys(family, frozenset())) for c in pair}
         keep_choices = [
             [frozenset()]
             if s in nested

@@ -10,7 +10,7 @@ from monet_cli.core.plan import plan_of
 from monet_cli.core.profile import LOSS_MODULE, PROFILE_KIND, Profile, profile_from_data
 from monet_cli.core.schedule import SCHEDULE_KIND, Schedule, file_sha256, schedule_from_data
 from monet_cli.core.segments import SegmentModel
-from monet_cli.core.simulate import Plan, live_at_peak, simulate
+from monet_cli.core.simulate import WORKSPACE, Plan, live_at_peak, simulate
 from monet_cli.core.solver.linear import live_series
 from monet_cli.core.yamlio import load_yaml_file
 from monet_cli.errors import FileFormatError, UsageError
@@ -45,8 +45,10 @@ def top_holders(profile: Profile, plan: Plan) -> list[dict[str, Any]]:
     model = SegmentModel(profile)
     groups: dict[tuple[str, str], int] = {}
     for sid, copy, nbytes in live_at_peak(model, plan):
-        storage = profile.storages[sid]
-        if copy:
+        storage = profile.storages[sid] if sid != WORKSPACE else None
+        if storage is None:
+            kind, where = "workspace", "-"
+        elif copy:
             kind, where = "recomputed", profile.ops[storage.producer].module
         elif storage.kind == "activation" and storage.producer is not None and storage.producer < len(profile.ops):
             kind, where = "activation", profile.ops[storage.producer].module

@@ -87,6 +87,7 @@ def _explain_failure(planner: Planner, outcome: SolveOutcome, budget: int, time_
 _KIND_NAMES = {
     "param": "parameters", "grad": "gradients", "optimizer": "optimizer state", "activation": "activations",
     "temp": "backward temporaries", "recomputed": "recomputed activations", "input": "inputs", "buffer": "buffers",
+    "workspace": "op workspaces (CUDA)",
 }
 
 

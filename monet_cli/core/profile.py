@@ -151,6 +151,9 @@ class OpRecord:
     inputs: tuple[int, ...] = ()
     """Forward ops whose storages this op reads (parameters and inputs excluded)."""
     consumers: tuple[int, ...] = ()
+    workspace_bytes: int = 0
+    """CUDA: the allocator's peak inside the op above its level once the op returned
+    (cuBLAS and cuDNN workspaces, a kernel's temporaries). Not measured on CPU."""
 
 
 @flow_row
@@ -211,6 +214,8 @@ class BackwardOp:
     op: str
     phase: Literal["backward", "optimizer"]
     time_ms: float
+    workspace_bytes: int = 0
+    """As ``OpRecord.workspace_bytes``."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -244,8 +249,12 @@ class Profile:
         return len(self.ops) + len(self.backward)
 
 
+# Written only where measured (CUDA), so CPU profiles do not repeat a zero on every op.
+OMITTED_WHEN_DEFAULT = frozenset({"OpRecord.workspace_bytes", "BackwardOp.workspace_bytes"})
+
+
 def dump_profile(profile: Profile) -> str:
-    return dump_yaml(to_data(profile))
+    return dump_yaml(to_data(profile, omit_defaults=OMITTED_WHEN_DEFAULT))
 
 
 def save_profile(profile: Profile, path: Path) -> None:

@@ -18,6 +18,10 @@ freed at recorded positions; a schedule moves those events:
   frame instead: the outer recompute makes them again and they live until the inner
   recompute has taken them (and until its own saves of them are released).
 
+On CUDA an op may also take workspace from the allocator while it runs (cuBLAS, cuDNN): it
+is live from the op's allocations until the frees before the next op, in the forward, in
+backward and in every recompute burst that re-runs the op.
+
 Event keys are tuples so plain ordering puts, at position t: frees before op t
 ``(t, 0)``, then recompute bursts ``(t, 1, -first op of the outermost segment, depth, op,
 sub)``, then op t's allocations ``(t, 2)``.
@@ -35,6 +39,9 @@ Plan = dict[int, frozenset[int]]
 """Chosen segments: module call index -> op indices whose outputs are kept."""
 
 Key = tuple[int, ...]
+
+WORKSPACE = -1
+"""Owner of a workspace event in ``_Events.owners`` (storage ids are >= 0)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -262,9 +269,19 @@ class _Events:
             if op not in self.plan[call]:
                 self.add_rerun(call, op)
 
+    def add_workspaces(self) -> None:
+        """Each op's workspace where the unscheduled step runs it (the same under any plan)."""
+        profile = self.model.profile
+        for pos, op in enumerate((*profile.ops, *profile.backward)):  # positions are consecutive
+            if op.workspace_bytes:
+                self.span((pos, 2), (pos + 1, 0), op.workspace_bytes, WORKSPACE)
+
     def add_rerun(self, call: int, op: int) -> None:
-        """The outputs op ``op`` makes again in segment ``call``'s recompute burst."""
+        """What op ``op`` makes again in segment ``call``'s recompute burst: its outputs and its workspace."""
         stop = self.frames[call].stop
+        workspace = self.model.profile.ops[op].workspace_bytes
+        if workspace:
+            self.span(self.burst_key(call, op, 1), self.burst_key(call, op + 1, 0), workspace, WORKSPACE, recomputed=True)
         storages = self.model.profile.storages
         for sid in self.model.outputs_by_op.get(op, []):
             s = storages[sid]
@@ -283,6 +300,7 @@ def _events(model: SegmentModel, plan: Plan) -> _Events:
     events = _Events(model, plan)
     for storage in model.profile.storages:
         events.add_storage(storage)
+    events.add_workspaces()
     for call in plan:
         events.add_burst(call)
     return events
@@ -304,7 +322,7 @@ def peak_breakdown(model: SegmentModel, plan: Plan) -> dict[str, int]:
     storages = model.profile.storages
     totals: dict[str, int] = {}
     for sid, copy, nbytes in live_at_peak(model, plan):
-        kind = "recomputed" if copy else storages[sid].kind
+        kind = "workspace" if sid == WORKSPACE else "recomputed" if copy else storages[sid].kind
         totals[kind] = totals.get(kind, 0) + nbytes
     return dict(sorted(totals.items(), key=lambda kv: -kv[1]))
 

@@ -50,6 +50,8 @@ class RawOp:
     outputs: list[int]
     """Storage ids the op allocated."""
     signature: str
+    workspace: int = 0
+    """CUDA: allocator bytes the op took and gave back before returning."""
 
 
 @dataclass
@@ -112,6 +114,7 @@ class StepRecorder(LiveStorageMeter):
         self.packs: list[RawPack] = []
         self.pending_unpacks: list[int] = []
         self.peak_pos = 0
+        self.cuda = workload.device if workload.device.type == "cuda" else None
 
     # -- storages -----------------------------------------------------------------
     def on_alloc(self, key: int, nbytes: int, kind: str, producer: int | None) -> None:
@@ -139,7 +142,7 @@ class StepRecorder(LiveStorageMeter):
         inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
         self.track_unseen_inputs(inputs)
         written = _written_args(func, args, kwargs)
-        out = func(*args, **kwargs)
+        out, workspace = self._run_op(func, args, kwargs)
         outputs = []
         for tensor in tree_flatten(out)[0]:
             if isinstance(tensor, torch.Tensor):
@@ -156,10 +159,21 @@ class StepRecorder(LiveStorageMeter):
                 written=sorted({self.sid_of(t) for t in written if t.device.type != "meta"}),
                 outputs=outputs,
                 signature=signature(inputs),
+                workspace=workspace,
             )
         )
         self.pos = pos + 1
         return out
+
+    def _run_op(self, func, args: tuple, kwargs: dict) -> tuple[object, int]:
+        """Run one op; on CUDA also return its workspace: the allocator's peak during the op above
+        its level after it (the allocator counts on the host as kernels are queued, so no sync)."""
+        if self.cuda is None:
+            return func(*args, **kwargs), 0
+        torch.cuda.reset_peak_memory_stats(self.cuda)
+        out = func(*args, **kwargs)
+        peak, after = torch.cuda.max_memory_allocated(self.cuda), torch.cuda.memory_allocated(self.cuda)
+        return out, max(0, peak - after)
 
     def _module_path(self) -> str:
         if loss_scope.active:

@@ -135,7 +135,8 @@ def build_profile(
         created_at=_dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat(),
         ops=ops,
         backward=tuple(
-            BackwardOp(pos=op.pos, op=op.op, phase=op.phase, time_ms=round(op_ms[op.pos], 4))  # type: ignore[arg-type]
+            BackwardOp(pos=op.pos, op=op.op, phase=op.phase, time_ms=round(op_ms[op.pos], 4),  # type: ignore[arg-type]
+                       workspace_bytes=op.workspace)
             for op in recorder.ops[len(forward):]
         ),
         calls=_call_records(recorder, reasons),
@@ -200,6 +201,7 @@ def _op_records(
             inplace_of=_inplace_of(op, storages),
             inputs=inputs[op.pos],
             consumers=tuple(consumers[op.pos]),
+            workspace_bytes=op.workspace,
         )
         for op in forward
     )

@@ -8,11 +8,14 @@ views count once and the total is exact and deterministic (it equals
 step (parameters, buffers, inputs, optimizer state) are registered up front.
 
 CUDA: the caching allocator's own peak, ``torch.cuda.max_memory_allocated`` after a
-reset. That call returns 0 without a GPU, so it is only used when CUDA is in use.
+reset. That call returns 0 without a GPU, so it is only used when CUDA is in use. The
+profiler's recorder, a live-storage meter, counts a CUDA storage at the allocator's block
+size (``core.allocator``), so that the profile adds up what the allocator counts.
 """
 
 from __future__ import annotations
 
+import os
 import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -21,10 +24,22 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from monet_cli.core.allocator import cuda_block_bytes, roundup_divisions
+from monet_cli.errors import UsageError
+
 
 def storage_key(tensor: torch.Tensor) -> int:
     """Identity of the memory behind a tensor (shared by all its views)."""
     return tensor.untyped_storage()._cdata
+
+
+def allocator_divisions() -> int:
+    """The CUDA allocator's ``roundup_power2_divisions`` setting in this process (0: not set)."""
+    conf = ",".join(os.environ.get(name, "") for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"))
+    try:
+        return roundup_divisions(conf)
+    except ValueError as err:
+        raise UsageError(str(err)) from None
 
 
 class LiveStorageMeter(TorchDispatchMode):
@@ -36,6 +51,8 @@ class LiveStorageMeter(TorchDispatchMode):
         self.peak_bytes = 0
         self.interrupted = False
         self._sizes: dict[int, int] = {}
+        self._divisions: int | None = None
+        """The allocator's rounding setting, read at the first CUDA storage."""
 
     # -- registration -------------------------------------------------------------
     def register(self, tensors: Iterable[torch.Tensor], kind: str = "other") -> None:
@@ -52,6 +69,10 @@ class LiveStorageMeter(TorchDispatchMode):
         if key in self._sizes:
             return None
         nbytes = storage.nbytes()
+        if tensor.device.type == "cuda":
+            if self._divisions is None:
+                self._divisions = allocator_divisions()
+            nbytes = cuda_block_bytes(nbytes, roundup_power2_divisions=self._divisions)
         self._sizes[key] = nbytes
         weakref.finalize(storage, self._release, key)
         self.current_bytes += nbytes

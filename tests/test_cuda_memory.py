@@ -1,0 +1,117 @@
+"""What a CUDA profile counts, checked without a GPU: the caching allocator's rounding as pure
+functions, the meter's block sizes on fake CUDA tensors, and op workspaces in the simulator
+and the solver's linear model (injected into a CPU profile)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from monet_cli.core.allocator import MIN_BLOCK_BYTES, cuda_block_bytes, roundup_divisions
+from monet_cli.core.segments import SegmentModel
+from monet_cli.core.simulate import peak_breakdown, simulate
+from monet_cli.core.solver.linear import LinearMemory
+from monet_cli.core.solver.search import Planner
+from monet_cli.errors import UsageError
+from monet_cli.runtime.meter import LiveStorageMeter
+
+
+@pytest.mark.parametrize(("nbytes", "block"), [
+    (0, 0), (1, 512), (511, 512), (512, 512), (513, 1024), (4096, 4096), (2**20 + 1, 2**20 + 512),
+])
+def test_requests_round_up_to_512_byte_blocks(nbytes, block):
+    assert cuda_block_bytes(nbytes) == block
+
+
+@pytest.mark.parametrize("divisions", [2, 4, 8])
+def test_power2_divisions_round_to_the_next_step_between_powers_of_two(divisions):
+    for nbytes in [MIN_BLOCK_BYTES * divisions + 1, 1_200_000, 2**24, 2**24 + 1, 3 * 2**23 - 7]:
+        floor = 1 << (nbytes.bit_length() - 1)
+        step = floor // divisions
+        block = cuda_block_bytes(nbytes, roundup_power2_divisions=divisions)
+        assert nbytes <= block < nbytes + step and block % step == 0, (nbytes, block)
+    # Small requests keep the 512-byte rule; a power of two is its own block.
+    assert cuda_block_bytes(1000, roundup_power2_divisions=divisions) == 1024
+    assert cuda_block_bytes(2**22, roundup_power2_divisions=divisions) == 2**22
+
+
+def test_the_alloc_conf_setting_is_read_or_refused():
+    assert roundup_divisions("") == 0
+    assert roundup_divisions("expandable_segments:True,roundup_power2_divisions:4") == 4
+    with pytest.raises(ValueError, match="only one number"):
+        roundup_divisions("roundup_power2_divisions:[256:1,512:2,>:4]")
+
+
+def test_the_meter_counts_cuda_storages_at_their_block_size(monkeypatch):
+    """Fake CUDA tensors have real storages without a GPU: enough to check the meter's sizes."""
+    meter = LiveStorageMeter()
+    with FakeTensorMode():
+        tensors = [torch.empty(n, dtype=torch.uint8, device="cuda") for n in (513, 0, 1)]
+        cpu = torch.empty(513, dtype=torch.uint8)
+        meter.register([*tensors, cpu])
+    assert meter.current_bytes == 1024 + 0 + 512 + 513  # the CPU storage is counted as it is
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "roundup_power2_divisions:[256:1]")
+    with pytest.raises(UsageError), FakeTensorMode():
+        LiveStorageMeter().register([torch.empty(1, device="cuda")])
+
+
+# -- workspaces ------------------------------------------------------------------------------
+
+
+def _with_workspaces(profile):
+    """The profile as if each convolution (forward and backward) took workspace while it ran."""
+    ops = tuple(replace(op, workspace_bytes=4096 * (1 + op.index % 3)) if "convolution" in op.op else op
+                for op in profile.ops)
+    backward = tuple(replace(op, workspace_bytes=8192) if "convolution" in op.op else op for op in profile.backward)
+    return replace(profile, ops=ops, backward=backward)
+
+
+def test_workspaces_are_live_while_their_op_runs(skip_cnn_profile):
+    plain, busy = skip_cnn_profile, _with_workspaces(skip_cnn_profile)
+    assert any(op.workspace_bytes for op in busy.ops) and any(op.workspace_bytes for op in busy.backward)
+
+    def after_each_op(profile) -> np.ndarray:
+        linear = LinearMemory(SegmentModel(profile))
+        at_positions = np.array([len(p.key) == 2 and p.key[0] >= 0 for p in linear.points])  # not in bursts
+        return linear.live({})[at_positions]
+
+    before, after = after_each_op(plain), after_each_op(busy)
+    workspace = [op.workspace_bytes for op in (*busy.ops, *busy.backward)]
+    assert (after - before).tolist() == workspace
+    assert simulate(busy, {}).peak_bytes == max(after)
+
+
+def test_recompute_bursts_take_workspace_and_the_linear_model_agrees(skip_cnn_profile):
+    """Re-run convolutions take their workspace in the burst, and only while they run; every row
+    the solver uses still equals whole-step simulations, and its optimum is the enumerated one."""
+    from monet_cli.core.solver.enumerate import all_plans
+
+    profile = _with_workspaces(skip_cnn_profile)
+    model = SegmentModel(profile)
+    linear, plain = LinearMemory(model), LinearMemory(SegmentModel(skip_cnn_profile))
+    n = len(linear.points)
+    rerun_ws = []
+    for call, seg in model.segments.items():
+        bare = linear.live({call: frozenset()})
+        assert (linear.seg_delta[call].dense(n) == bare - linear.base).all(), seg.fqn
+        mask = linear.active_mask({call: frozenset()})
+        assert (linear.predict({call: frozenset()})[mask] == bare[mask]).all()
+        assert bare.max() == simulate(profile, {call: frozenset()}, model=model).peak_bytes
+        for i in seg.candidates:
+            keep = linear.live({call: frozenset({i})}) - bare
+            assert (linear.keep_delta[(call, i)].dense(n) == keep).all(), (seg.fqn, i)
+        extra = bare - plain.live({call: frozenset()})
+        for j, point in enumerate(linear.points):
+            if point.burst_of == call:  # the point after re-run op ``key[-2]`` allocated its outputs
+                assert extra[j] == profile.ops[point.key[-2]].workspace_bytes
+                rerun_ws.append(extra[j])
+    assert any(rerun_ws)
+    scored = [(simulate(profile, p, model=model), p) for p in all_plans(model)]
+    lowest = min(r.peak_bytes for r, _ in scored)
+    minimum = Planner(model).minimum_peak(time_limit_s=20, workers=1, seed=0)
+    assert minimum.peak_bytes == lowest
+    assert sum(peak_breakdown(model, minimum.plan).values()) == lowest

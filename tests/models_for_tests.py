@@ -199,3 +199,20 @@ class InPlaceAfterNet(nn.Module):
 def in_place_after_net() -> nn.Module:
     """Input [N, 16]."""
     return InPlaceAfterNet()
+
+
+class _Scatter(nn.Module):
+    """Writes every other feature through ``put``, an op with no deterministic kernel."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.fc(x))
+        index = torch.arange(0, h.numel(), 2, device=h.device)
+        return h + torch.zeros_like(h).put(index, h.take(index))
+
+
+def put_mlp(width: int = 16, num_classes: int = 5) -> nn.Module:
+    return nn.Sequential(nn.Linear(width, width), _Scatter(width), _Scatter(width), nn.Linear(width, num_classes))

@@ -155,3 +155,33 @@ def test_nested_segments_match_the_measured_step_op_by_op(spec):
         names = sorted(model.segments[c].fqn for c in plan)
         assert report.timeline == live_series(model, plan), names
         assert report.check.grads_match and report.check.params_match and report.check.buffers_match, names
+
+
+def test_an_op_without_a_deterministic_kernel_is_checked_within_the_stated_tolerance():
+    """Gradients are compared bit for bit under deterministic algorithms; a model using ``put``
+    (no deterministic kernel) is compared again on fresh models within the precision's
+    tolerance, and the result names the op."""
+    spec = small_spec("tests.models_for_tests:put_mlp", shape=(16,), batch_size=8)
+    profile = profile_model(spec, CPU, steps=1)
+    model = SegmentModel(profile)
+    plan = max(level_plans(model).values(), key=len)
+    schedule = build_schedule(profile, plan, budget_bytes=profile.baseline.peak_bytes, budget_spec="100%",
+                              solver=INFO, profile_sha256="", model=model)
+    report = run_apply(schedule, CPU, steps=1, check=True)
+    check = report.check
+    assert check.mode == "tolerance" and "put_" in check.nondeterministic, check
+    assert (check.rtol, check.atol) == (1e-3, 1e-5) and check.ok
+    assert "within rtol 0.001" in check.describe()
+    assert not torch.are_deterministic_algorithms_enabled()
+    assert report.measured_peak_bytes == report.predicted_peak_bytes
+
+
+def test_a_model_with_deterministic_kernels_is_checked_bit_for_bit(workload_profile):
+    _, profile = workload_profile
+    model = SegmentModel(profile)
+    plan = next(iter(level_plans(model).values()))
+    schedule = build_schedule(profile, plan, budget_bytes=profile.baseline.peak_bytes, budget_spec="100%",
+                              solver=INFO, profile_sha256="", model=model)
+    check = run_apply(schedule, CPU, steps=1, check=True).check
+    assert check.mode == "exact" and check.ok and check.max_grad_diff == 0.0
+    assert check.describe() == "bit-exact (deterministic algorithms)"

@@ -62,12 +62,13 @@ def test_apply_holds_budget_and_gradients(workdir: Path):
     assert result.exit_code == 0, result.stderr
     report = json.loads(result.stdout)
     assert list(report) == ["budget_bytes", "predicted_peak_bytes", "measured_peak_bytes", "baseline_peak_bytes",
-                            "step_ms", "baseline_step_ms", "grads_match", "within_budget"]
-    assert report["grads_match"] is None and report["within_budget"] is True
+                            "step_ms", "baseline_step_ms", "grads_match", "within_budget", "check"]
+    assert report["grads_match"] is None and report["check"] is None and report["within_budget"] is True
     assert report["measured_peak_bytes"] <= report["budget_bytes"]
     assert abs(report["predicted_peak_bytes"] - report["measured_peak_bytes"]) <= 0.02 * report["measured_peak_bytes"]
     checked = json.loads(monet("apply", str(path), "--steps", "1", "--check", "--json").stdout)
     assert checked["grads_match"] is True
+    assert checked["check"]["mode"] == "exact" and checked["check"]["max_grad_diff"] == 0.0
 
 
 def test_infeasible_budget_exits_3_with_the_minimum(workdir: Path):

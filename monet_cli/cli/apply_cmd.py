@@ -33,7 +33,16 @@ def report_json(report) -> dict[str, Any]:
         "baseline_step_ms": report.baseline_step_ms,
         "grads_match": None if report.check is None else report.check.ok,
         "within_budget": report.within_budget,
+        "check": None if report.check is None else check_json(report.check),
     }
+
+
+def check_json(check) -> dict[str, Any]:
+    """How gradients were compared: ``exact`` bits under deterministic algorithms, or within
+    ``rtol``/``atol`` because of ``nondeterministic``."""
+    return {"mode": check.mode, "rtol": check.rtol, "atol": check.atol, "nondeterministic": check.nondeterministic,
+            "max_grad_diff": check.max_grad_diff, "params_match": check.params_match,
+            "buffers_match": check.buffers_match}
 
 
 def report_table(report, schedule_path: str):
@@ -53,8 +62,9 @@ def report_table(report, schedule_path: str):
     table.add_row("step time", "", f"{report.step_ms:.1f} ms vs {report.baseline_step_ms:.1f} ms ({100 * overhead:+.1f}%)")
     if report.check is not None:
         c = report.check
-        status = "[green]equal[/green]" if c.ok else "[red]DIFFER[/red]"
+        status = ("[green]equal[/green]" if c.mode == "exact" else "[green]close[/green]") if c.ok else "[red]DIFFER[/red]"
         table.add_row("gradients", "", f"{status} (max |diff| {c.max_grad_diff:.2e}; params {c.params_match}, BN buffers {c.buffers_match})")
+        table.add_row("compared", "", c.describe())
     return table
 
 
@@ -88,7 +98,10 @@ def run(args: ApplyArgs) -> None:
             f"measured peak {format_bytes(report.measured_peak_bytes)} is above the budget {format_bytes(report.budget_bytes)}"
         )
     if report.check is not None and not report.check.ok:
-        raise OverBudgetError(f"gradients differ from the unmodified model (max |diff| {report.check.max_grad_diff:.3e})")
+        raise OverBudgetError(
+            f"gradients differ from the unmodified model (max |diff| {report.check.max_grad_diff:.3e}, compared "
+            f"{report.check.describe()})"
+        )
 
 
 def write_measured_timeline(path: Path, schedule, report, profile_path: Path | None) -> None:

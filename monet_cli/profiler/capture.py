@@ -258,6 +258,7 @@ class StepRecorder(LiveStorageMeter):
         w.zero_grad()
         for tensor, kind in preexisting_tensors(w.model, w.optimizer, w.data_tensors()):
             self.track(tensor, kind=kind, producer=None)
+        self._record_untracked()
         handles = [
             torch.nn.modules.module.register_module_forward_pre_hook(self._pre_hook),
             torch.nn.modules.module.register_module_forward_hook(self._post_hook),
@@ -271,6 +272,16 @@ class StepRecorder(LiveStorageMeter):
             for handle in handles:
                 handle.remove()
         self._classify_backward_storages()
+
+    def _record_untracked(self) -> None:
+        """CUDA: what the allocator holds before the step beyond the tensors above (cuBLAS and
+        cuDNN workspaces, made once and kept), as one storage that outlives the step:
+        ``max_memory_allocated`` counts it in every step."""
+        if self.cuda is None:
+            return
+        untracked = torch.cuda.memory_allocated(self.cuda) - self.current_bytes
+        if untracked > 0:
+            self.storages.append(RawStorage(id=len(self.storages), bytes=untracked, kind="other", producer=None, alloc=0))
 
     def _classify_backward_storages(self) -> None:
         w = self.workload

@@ -168,20 +168,34 @@ def preexisting_tensors(
     return found
 
 
+def allocated_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of the distinct storages behind ``tensors``, as the device's allocator counts them."""
+    meter = LiveStorageMeter()
+    meter.register(tensors)
+    return meter.current_bytes
+
+
 def measure_step(
     step: Callable[[], None],
     *,
     device: torch.device,
     preexisting: list[tuple[torch.Tensor, str]],
+    foreign: Iterable[torch.Tensor] = (),
     timeline: bool = False,
 ) -> Measurement:
-    """Run ``step`` once and return its peak memory with the device's meter."""
+    """Run ``step`` once and return its peak memory with the device's meter.
+
+    On CUDA the allocator counts every tensor of the process: ``foreign`` tensors (another
+    model's parameters, gradients and optimizer state, kept alive beside this one) are
+    subtracted. What the allocator holds that is no tensor (cuBLAS workspaces) stays in, as
+    it does in the profile."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
         step()
         torch.cuda.synchronize(device)
-        return Measurement(peak_bytes=int(torch.cuda.max_memory_allocated(device)), meter="cuda-allocator")
+        peak = int(torch.cuda.max_memory_allocated(device)) - allocated_bytes(foreign)
+        return Measurement(peak_bytes=peak, meter="cuda-allocator")
     meter = TimelineMeter() if timeline else LiveStorageMeter()
     for tensor, kind in preexisting:
         meter.track(tensor, kind=kind, producer=None)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -272,13 +273,22 @@ class Workload:
         self.sync()
         return (time.perf_counter() - start) * 1000.0
 
-    def measure_peak(self, seed: int | None = None, *, timeline: bool = False) -> Measurement:
-        """One step (grads cleared first) under the device's memory meter."""
+    def measure_peak(
+        self, seed: int | None = None, *, timeline: bool = False, beside: Workload | None = None
+    ) -> Measurement:
+        """One step (grads cleared first) under the device's memory meter; ``beside``: another
+        workload alive on the same device, whose tensors are not this step's memory."""
         if seed is not None:
             torch.manual_seed(seed)
         self.zero_grad()
-        pre = preexisting_tensors(self.model, self.optimizer, self.data_tensors())
-        return measure_step(self.step, device=self.device, preexisting=pre, timeline=timeline)
+        pre = self.resident_tensors()
+        foreign = [] if beside is None else [t for t, _ in beside.resident_tensors()]
+        return measure_step(self.step, device=self.device, preexisting=pre, foreign=foreign, timeline=timeline)
+
+    def resident_tensors(self) -> list[tuple[torch.Tensor, str]]:
+        """Every tensor this workload keeps between steps (parameters, gradients, buffers,
+        optimizer state, data), with its kind of memory."""
+        return preexisting_tensors(self.model, self.optimizer, self.data_tensors())
 
     def sync(self) -> None:
         if self.device.type == "cuda":
@@ -298,6 +308,18 @@ class loss_scope:
 
     def __exit__(self, *exc: object) -> None:
         loss_scope.active = False
+
+
+CUBLAS_DETERMINISTIC = ":4096:8"
+"""cuBLAS workspace setting that deterministic algorithms need (and Hopper's default size)."""
+
+
+def configure_cuda(device: torch.device) -> None:
+    """Before any CUDA work: give cuBLAS the workspace setting deterministic algorithms need,
+    unless the user chose one. ``monet profile`` and ``monet apply`` both do it, so their
+    cuBLAS workspaces (which the allocator counts) are the same size."""
+    if device.type == "cuda":
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_DETERMINISTIC)
 
 
 def build_workload(spec: ModelSpec, device: torch.device, *, prepare: bool = True) -> Workload:

@@ -236,13 +236,15 @@ class StepRecorder(LiveStorageMeter):
         self.pending_unpacks.clear()
 
     def _hook_graph(self, loss: torch.Tensor) -> None:
-        seen: set[int] = set()
+        # Keyed by id but holding the nodes: a node's Python object can die once visited, and
+        # a later one may then reuse its id (torch 2.11 hands out fresh objects).
+        seen: dict[int, object] = {}
         todo = [loss.grad_fn]
         while todo:
             node = todo.pop()
             if node is None or id(node) in seen:
                 continue
-            seen.add(id(node))
+            seen[id(node)] = node
             node.register_hook(self._node_done)
             todo.extend(next_node for next_node, _ in node.next_functions)
 

@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo demo-user test lint bench bench-smoke schedules venv clean
+.PHONY: demo demo-user test lint bench bench-smoke schedules venv clean gpu-check gpu-wheels
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -48,6 +48,26 @@ schedules: $(STAMP)
 		$(BIN)/monet profile $$name --device cpu || exit 1; \
 		CI=1 $(BIN)/monet solve configs/$$name.profile.yaml --budget $$budget || exit 1; \
 	done
+
+# On a CUDA machine: profile -> solve (60% and the smallest peak) -> apply --check on resnet50,
+# the tiny GPT and a LLaMA-style decoder, then pytest -m gpu; writes bench/results/gpu-check.json
+# and docs/gpu.md. Exits 9 without a GPU. It runs on whatever Python holds torch there (GPU_PYTHON),
+# with monet from this checkout; OR-Tools comes from `make gpu-wheels` when that machine has none.
+GPU_PYTHON ?= $(if $(wildcard $(BIN)/python),$(BIN)/python,python3)
+GPU_WHEELS := dist/gpu-wheels
+gpu-check:
+	@if [ -d $(GPU_WHEELS) ] && ! $(GPU_PYTHON) -c "import ortools" 2>/dev/null; then \
+		$(GPU_PYTHON) -m pip install --quiet --no-deps --no-index $(GPU_WHEELS)/*.whl; fi
+	$(GPU_PYTHON) bench/gpu_check.py
+
+# Wheels for a GPU machine without network access (Python 3.12, x86_64): OR-Tools and the two
+# packages it needs that such images lack, plus monet itself.
+gpu-wheels: $(STAMP)
+	rm -rf $(GPU_WHEELS)
+	$(BIN)/python -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 \
+		--platform manylinux_2_27_x86_64 --platform manylinux2014_x86_64 -d $(GPU_WHEELS) \
+		"ortools==$$($(BIN)/python -c 'import ortools; print(ortools.__version__)')" immutabledict "protobuf>=6.33.1,<6.34"
+	$(BIN)/python -m pip wheel --quiet --no-deps -w $(GPU_WHEELS) .
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q

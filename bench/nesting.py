@@ -32,6 +32,7 @@ from monet_cli.core.solver.linear import nested_pairs  # noqa: E402
 from monet_cli.core.solver.search import Planner  # noqa: E402
 from monet_cli.profiler.run import profile_model  # noqa: E402
 from monet_cli.runtime.compare import run_apply  # noqa: E402
+from monet_cli.runtime.fingerprint import torch_version  # noqa: E402
 from monet_cli.workload.resolve import Overrides, resolve_model_spec  # noqa: E402
 
 CPU = torch.device("cpu")
@@ -51,7 +52,11 @@ class FlatSegments(SegmentModel):
 
 def load(name: str) -> Profile:
     if name in SHIPPED:
-        return load_profile(ROOT / "configs" / f"{name}.profile.yaml")
+        shipped = load_profile(ROOT / "configs" / f"{name}.profile.yaml")
+        if shipped.fingerprint.torch == torch_version():
+            return shipped
+        # Made with another torch: its schedules would be refused here, so measure anew.
+        return profile_model(shipped.model, CPU, steps=1)
     spec = resolve_model_spec(REPRODUCTIONS[name], Overrides(
         batch_size=16, loss="token_cross_entropy",
         inputs=(InputSpec(shape=(128,), dtype="int64", low=0, high=1000),),

@@ -1,0 +1,184 @@
+"""`make gpu-check`: the whole loop on a CUDA GPU, with one summary of what it measured.
+
+For each workload: profile on the GPU, find the smallest reachable peak, solve at 60% of the
+baseline (halfway down to the smallest peak when 60% cannot be reached) and just above the
+smallest peak, then ``apply --check`` each schedule beside the unmodified model. Then the
+pytest ``gpu`` marker. Writes bench/results/gpu-check.json and docs/gpu.md.
+
+Without a CUDA GPU it writes nothing and exits 9 (monet's "device not available" code): a
+GPU result is never claimed where none was measured. It needs OR-Tools; a machine without
+network access gets it from wheels made here with ``make gpu-wheels``.
+
+    python bench/gpu_check.py                       # every workload
+    python bench/gpu_check.py --workloads gpt --skip-pytest
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from monet_cli.errors import EXIT_DEVICE  # noqa: E402
+
+TIME_LIMIT_S = 20.0
+WORKLOADS = {
+    # name: (model, batch, per-sample input shape, precision, extra overrides)
+    "resnet50": ("resnet50", 64, (3, 224, 224), "bf16-mixed", {}),
+    "gpt": ("gpt", None, None, "32", {}),
+    "llama": ("hf:llama", 8, (256,), "bf16-mixed", {
+        "model_kwargs": {"vocab_size": 32000, "hidden_size": 512, "intermediate_size": 1408, "num_hidden_layers": 8,
+                         "num_attention_heads": 8, "num_key_value_heads": 4, "max_position_embeddings": 256}}),
+}
+
+
+def _spec(name: str):
+    from monet_cli.core.profile import InputSpec
+    from monet_cli.workload.resolve import Overrides, resolve_model_spec
+
+    model, batch, shape, precision, extra = WORKLOADS[name]
+    inputs = None
+    if shape is not None:
+        tokens = model.startswith("hf:")
+        inputs = (InputSpec(shape=shape, dtype="int64", low=0, high=32000) if tokens else InputSpec(shape=shape),)
+    return resolve_model_spec(model, Overrides(batch_size=batch, inputs=inputs, precision=precision, **extra))
+
+
+def run_workload(name: str, device: torch.device) -> dict:
+    from bench.real_models import case_budgets
+    from monet_cli.core.plan import build_schedule
+    from monet_cli.core.segments import SegmentModel
+    from monet_cli.core.simulate import simulate
+    from monet_cli.core.solver.search import Planner, solver_info
+    from monet_cli.profiler.run import profile_model
+    from monet_cli.runtime.compare import run_apply
+
+    start = time.perf_counter()
+    profile = profile_model(_spec(name), device, steps=3)
+    profile_s = time.perf_counter() - start
+    model = SegmentModel(profile)
+    planner = Planner(model)
+    lowest = planner.minimum_peak(time_limit_s=TIME_LIMIT_S, workers=2, seed=0)
+    runs = []
+    for label, budget in case_budgets(profile.baseline.peak_bytes, lowest.peak_bytes).items():
+        outcome = planner.solve(budget, time_limit_s=TIME_LIMIT_S, workers=2, seed=0, hint=lowest.plan)
+        schedule = build_schedule(profile, outcome.plan, budget_bytes=budget, budget_spec=label, profile_sha256="",
+                                  model=model, solver=solver_info(outcome, workers=2, seed=0, time_limit_s=TIME_LIMIT_S))
+        report = run_apply(schedule, device, steps=3, check=True)
+        check = report.check
+        runs.append({
+            "budget": label, "budget_bytes": budget, "solver_status": outcome.status,
+            "predicted_peak_bytes": report.predicted_peak_bytes, "measured_peak_bytes": report.measured_peak_bytes,
+            "error": report.prediction_error, "within_budget": report.within_budget,
+            "predicted_overhead": schedule.predicted.overhead,
+            "measured_overhead": report.step_ms / report.baseline_step_ms - 1 if report.baseline_step_ms else None,
+            "grads_ok": check.ok, "check": check.describe(), "max_grad_diff": check.max_grad_diff,
+        })
+    return {
+        "workload": name, "model": profile.model.name, "batch_size": profile.model.batch_size,
+        "precision": profile.model.precision, "forward_ops": len(profile.ops), "profile_s": round(profile_s, 1),
+        "baseline_peak_bytes": profile.baseline.peak_bytes, "simulated_baseline_bytes": simulate(profile, {}).peak_bytes,
+        "floor_bytes": lowest.peak_bytes, "op_ms_sum": round(sum(o.time_ms for o in profile.ops)
+                                                            + sum(o.time_ms for o in profile.backward), 2),
+        "baseline_step_ms": profile.baseline.step_ms,
+        "workspace_ops": sum(1 for o in (*profile.ops, *profile.backward) if o.workspace_bytes), "runs": runs,
+    }
+
+
+def run_gpu_tests() -> dict:
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider"],
+                            cwd=ROOT, capture_output=True, text=True, check=False)
+    tail = (result.stdout.strip().splitlines() or [""])[-1]
+    return {"returncode": result.returncode, "summary": tail}
+
+
+def render(summary: dict) -> str:
+    lines = [
+        "# monet on a GPU: measured",
+        "",
+        f"Written by `make gpu-check` on {summary['date']}: {summary['device']}, torch {summary['torch']} "
+        f"(CUDA {summary['cuda']}), Python {summary['python']}. Every figure below was measured on that machine.",
+        "",
+        "| workload | budget | predicted | measured | error | within | overhead pred / meas | gradients |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for w in summary["workloads"]:
+        if "error" in w:
+            lines.append(f"| {w['workload']} | failed: {w['error']} | | | | | | |")
+            continue
+        for r in w["runs"]:
+            measured = "n/a" if r["measured_overhead"] is None else f"{100 * r['measured_overhead']:+.1f}%"
+            lines.append(
+                f"| {w['workload']} ({w['precision']}, batch {w['batch_size']}) | {r['budget']} "
+                f"({r['budget_bytes'] / 2**20:.1f} MiB) | {r['predicted_peak_bytes'] / 2**20:.2f} MiB | "
+                f"{r['measured_peak_bytes'] / 2**20:.2f} MiB | {100 * r['error']:+.2f}% | {r['within_budget']} | "
+                f"{100 * r['predicted_overhead']:+.1f}% / {measured} | {'ok' if r['grads_ok'] else 'DIFFER'}: "
+                f"{r['check']} |"
+            )
+    lines += ["", "| workload | baseline measured | baseline simulated | smallest peak | op times summed / step | ops with workspace |",
+              "|---|---|---|---|---|---|"]
+    for w in summary["workloads"]:
+        if "error" not in w:
+            lines.append(
+                f"| {w['workload']} | {w['baseline_peak_bytes'] / 2**20:.2f} MiB | "
+                f"{w['simulated_baseline_bytes'] / 2**20:.2f} MiB | {w['floor_bytes'] / 2**20:.2f} MiB | "
+                f"{w['op_ms_sum']:.1f} / {w['baseline_step_ms']:.1f} ms | {w['workspace_ops']} |"
+            )
+    tests = summary.get("gpu_tests")
+    lines += ["", f"pytest -m gpu: {tests['summary'] if tests else 'not run'}", ""]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workloads", default=",".join(WORKLOADS))
+    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "gpu-check.json")
+    parser.add_argument("--doc", type=Path, default=ROOT / "docs" / "gpu.md")
+    parser.add_argument("--skip-pytest", action="store_true")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        build = f"a CUDA {torch.version.cuda} build" if torch.version.cuda else "a CPU-only build"
+        print(f"gpu-check: no CUDA GPU visible (torch {torch.__version__}, {build}); nothing measured, nothing written",
+              file=sys.stderr)
+        return EXIT_DEVICE
+    unknown = sorted(set(args.workloads.split(",")) - set(WORKLOADS))
+    if unknown:
+        parser.error(f"unknown workloads {unknown}; known: {sorted(WORKLOADS)}")
+    device = torch.device("cuda")
+    summary = {
+        "date": dt.datetime.now(dt.timezone.utc).replace(microsecond=0).isoformat(),
+        "device": torch.cuda.get_device_name(device), "torch": torch.__version__, "cuda": torch.version.cuda,
+        "python": platform.python_version(), "workloads": [],
+    }
+    for name in args.workloads.split(","):
+        print(f"gpu-check: {name}", file=sys.stderr)
+        try:
+            summary["workloads"].append(run_workload(name, device))
+        except Exception as err:  # one workload's failure is a result too: record it, go on
+            summary["workloads"].append({"workload": name, "error": f"{type(err).__name__}: {err}"})
+        torch.cuda.empty_cache()
+    summary["gpu_tests"] = None if args.skip_pytest else run_gpu_tests()
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(summary, indent=2) + "\n")
+    args.doc.write_text(render(summary))
+    failed = [w["workload"] for w in summary["workloads"]
+              if "error" in w or not all(r["within_budget"] and r["grads_ok"] and abs(r["error"]) <= 0.02
+                                         for r in w["runs"])]
+    print(f"gpu-check: wrote {args.out} and {args.doc}; " + (f"FAILED: {failed}" if failed else "all runs held"),
+          file=sys.stderr)
+    return 1 if failed or (summary["gpu_tests"] and summary["gpu_tests"]["returncode"] not in (0, 5)) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

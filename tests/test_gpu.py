@@ -1,0 +1,63 @@
+"""The CUDA path. Tests marked ``gpu`` run only where a CUDA GPU is visible (conftest skips
+them elsewhere); the first test is their CPU-side counterpart: ``make gpu-check`` refuses to
+claim anything without a GPU."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import small_spec
+
+from monet_cli.core.allocator import cuda_block_bytes
+from monet_cli.errors import EXIT_DEVICE
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the behaviour without a GPU")
+def test_gpu_check_exits_9_and_writes_nothing_without_a_gpu(tmp_path: Path):
+    out, doc = tmp_path / "gpu.json", tmp_path / "gpu.md"
+    result = subprocess.run([sys.executable, "bench/gpu_check.py", "--out", str(out), "--doc", str(doc)],
+                            cwd=ROOT, capture_output=True, text=True, check=False)
+    assert result.returncode == EXIT_DEVICE, result.stderr
+    assert "no CUDA GPU visible" in result.stderr and len(result.stderr.strip().splitlines()) == 1
+    assert not out.exists() and not doc.exists()
+
+
+@pytest.mark.gpu
+def test_the_allocator_counts_what_the_rounding_rule_says():
+    device = torch.device("cuda")
+    torch.cuda.synchronize()
+    for nbytes in (1, 511, 512, 513, 4096 + 1, 2**20 + 1, 3 * 2**20 + 7):
+        before = torch.cuda.memory_allocated(device)
+        tensor = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        assert torch.cuda.memory_allocated(device) - before == cuda_block_bytes(nbytes), nbytes
+        del tensor
+
+
+@pytest.mark.gpu
+def test_a_cuda_schedule_holds_its_budget_and_gradients():
+    from monet_cli.core.plan import build_schedule
+    from monet_cli.core.segments import SegmentModel
+    from monet_cli.core.solver.search import Planner, solver_info
+    from monet_cli.profiler.run import profile_model
+    from monet_cli.runtime.compare import run_apply
+
+    device = torch.device("cuda")
+    profile = profile_model(small_spec("resnet18", shape=(3, 64, 64), batch_size=16), device, steps=2)
+    assert profile.baseline.meter == "cuda-allocator"
+    model = SegmentModel(profile)
+    planner = Planner(model)
+    floor = planner.minimum_peak(time_limit_s=20, workers=2, seed=0)
+    budget = (floor.peak_bytes + profile.baseline.peak_bytes) // 2
+    outcome = planner.solve(budget, time_limit_s=20, workers=2, seed=0, hint=floor.plan)
+    schedule = build_schedule(profile, outcome.plan, budget_bytes=budget, budget_spec="halfway", profile_sha256="",
+                              model=model, solver=solver_info(outcome, workers=2, seed=0, time_limit_s=20))
+    report = run_apply(schedule, device, steps=2, check=True)
+    assert report.within_budget, report
+    assert abs(report.prediction_error) <= 0.02, report
+    assert report.check.ok, report.check

@@ -60,6 +60,78 @@ def test_validate_ok_mismatch_and_corrupt(solved, tmp_path):
     assert monet("validate", str(broken)).exit_code == 6
 
 
+def _as_if_made_on_cuda(schedule_path: Path, out: Path, **fingerprint_changes) -> Path:
+    """The schedule as a GPU would have written it: its fingerprint taken on fake CUDA tensors
+    (what a GPU without fused-kernel choices runs), then ``fingerprint_changes``."""
+    from dataclasses import replace
+
+    import torch
+
+    from monet_cli.core.schedule import load_schedule, save_schedule, with_content_hash
+    from monet_cli.runtime.fingerprint import fake_cuda_fingerprint
+    from monet_cli.workload.step import build_workload
+
+    schedule = load_schedule(schedule_path)
+    workload = build_workload(schedule.model, torch.device("cpu"))
+    args, kwargs = workload.call_args()
+    fake = fake_cuda_fingerprint(workload.model, args, kwargs, "32")
+    fingerprint = replace(fake, **{"modules": schedule.fingerprint.modules, **fingerprint_changes})
+    save_schedule(with_content_hash(replace(schedule, fingerprint=fingerprint)), out)
+    return out
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks a CPU-only runner")
+def test_validate_checks_a_cuda_schedule_without_a_gpu_and_says_what_it_did_not(solved, tmp_path):
+    root, schedule = solved
+    cuda = _as_if_made_on_cuda(schedule, tmp_path / "cuda.yaml")
+    result = monet("validate", str(cuda))
+    assert result.exit_code == 0, result.stderr
+    assert "passed ops and shapes: same op sequence and shapes (fake CUDA tensors, no GPU)" in " ".join(result.stderr.split())
+    assert "not checked memory, time and gradients" in " ".join(result.stderr.split())
+    checks = {c["name"]: c["status"] for c in json.loads(monet("validate", str(cuda), "--json").stdout)["checks"]}
+    assert checks == {"file": "passed", "module tree": "passed", "segment modules": "passed",
+                      "ops and shapes": "passed", "memory, time and gradients": "not checked"}
+    # A GPU that picked other kernels: the op sequence cannot be judged here, and is not failed.
+    other_kernels = _as_if_made_on_cuda(schedule, tmp_path / "kernels.yaml", structure="0" * 16, torch="2.11.0")
+    data = json.loads(monet("validate", str(other_kernels), "--json").stdout)
+    assert data["ok"] and {c["name"]: c["status"] for c in data["checks"]}["ops and shapes"] == "not checked"
+    assert any(c["name"] == "torch version" and "must run 2.11.0" in c["detail"] for c in data["checks"])
+    # Same ops, other shapes: a real mismatch, found without the GPU.
+    shapes = _as_if_made_on_cuda(schedule, tmp_path / "shapes.yaml", shapes="0" * 16)
+    assert monet("validate", str(shapes)).exit_code == 5
+    other_model = json.loads(monet("validate", str(cuda), "--model", "resnet18", "--json").stdout)
+    assert not other_model["ok"] and other_model["problem"].startswith("module tree")
+    old = _as_if_made_on_cuda(schedule, tmp_path / "old.yaml", modules="")  # made before the module hash
+    assert {c["name"]: c["status"] for c in json.loads(monet("validate", str(old), "--json").stdout)["checks"]}[
+        "module tree"] == "not checked"
+
+
+def test_fake_cuda_tensors_dispatch_as_cuda():
+    """The fake forward takes CUDA's paths: cuDNN BatchNorm in fp32 (the CPU runs another op),
+    and autocast's CUDA casts under bf16-mixed, with the autocast state restored after."""
+    import torch
+
+    from monet_cli.core.profile import InputSpec
+    from monet_cli.runtime.fingerprint import ModuleStack, OpSequence, fake_cuda_fingerprint
+    from monet_cli.workload.resolve import Overrides, resolve_model_spec
+    from monet_cli.workload.step import build_workload
+
+    fakes = {}
+    for precision in ("32", "bf16-mixed"):
+        spec = resolve_model_spec("tests.models_for_tests:skip_cnn", Overrides(
+            batch_size=2, inputs=(InputSpec(shape=(3, 8, 8)),), precision=precision))
+        workload = build_workload(spec, torch.device("cpu"))
+        args, kwargs = workload.call_args()
+        fakes[precision] = fake_cuda_fingerprint(workload.model, args, kwargs, precision)
+        assert fakes[precision].device_type == "cuda" and fakes[precision].precision == precision
+        assert fake_cuda_fingerprint(workload.model, args, kwargs, precision) == fakes[precision]
+    with ModuleStack(workload.model) as stack, OpSequence(stack) as sequence:
+        workload.model(*args, **kwargs)  # fp32 on the CPU
+    assert fakes["32"].structure != sequence.fingerprint("cpu", "32").structure
+    assert fakes["bf16-mixed"].structure != fakes["32"].structure
+    assert not torch.is_autocast_enabled("cuda")
+
+
 def test_estimate_verdicts(solved):
     root, _ = solved
     profile = str(root / "configs" / "skip.profile.yaml")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import platform
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from monet_cli import __version__
 from monet_cli.core.schedule import Schedule, load_schedule
@@ -44,6 +44,13 @@ def environment() -> EnvReport:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class Check:
+    name: str
+    status: Literal["passed", "failed", "not checked"]
+    detail: str
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class Validation:
     schedule: str
     model: str
@@ -51,41 +58,117 @@ class Validation:
     problem: str | None
     expected: dict[str, str]
     found: dict[str, str]
+    """The fingerprint of the model here ({} when none could be taken)."""
+    checks: tuple[Check, ...] = ()
 
 
-def model_fingerprint(schedule: Schedule, model_spec: str | None):
-    """Fingerprint of one training forward of the named model (no optimizer step)."""
-    import torch
-
-    from monet_cli.runtime.fingerprint import ModuleStack, OpSequence
+def _workload(schedule: Schedule, model_spec: str | None, device):
     from monet_cli.workload.resolve import Overrides, resolve_model_spec
-    from monet_cli.workload.step import build_workload, resolve_device, run_checked
+    from monet_cli.workload.step import build_workload, run_checked
 
     spec = schedule.model
     if model_spec is not None:
-        inputs = spec.inputs
-        spec = resolve_model_spec(model_spec, Overrides(batch_size=spec.batch_size, inputs=inputs, loss=spec.loss,
+        spec = resolve_model_spec(model_spec, Overrides(batch_size=spec.batch_size, inputs=spec.inputs, loss=spec.loss,
                                                         precision=spec.precision))
-    device = resolve_device(schedule.fingerprint.device_type if torch.cuda.is_available() or
-                            schedule.fingerprint.device_type == "cpu" else "cpu")
-    workload = run_checked(lambda: build_workload(spec, device), "building the model")
+    return run_checked(lambda: build_workload(spec, device), "building the model")
+
+
+def model_fingerprint(workload):
+    """Fingerprint of one training forward of the workload's model on its device (no optimizer step)."""
+    from monet_cli.runtime.fingerprint import ModuleStack, OpSequence
+    from monet_cli.workload.step import run_checked
+
     with ModuleStack(workload.model) as stack:
         sequence = OpSequence(stack)
         with sequence:
             run_checked(workload.run_model, "forward")
-    return sequence.fingerprint(device.type, spec.precision)
+    return sequence.fingerprint(workload.device.type, workload.spec.precision)
+
+
+def _segment_modules(schedule: Schedule, workload) -> Check:
+    names = {name for name, _ in workload.model.named_modules()}
+    missing = [s.module for s in schedule.segments if s.module not in names]
+    if missing:
+        return Check(name="segment modules", status="failed", detail=f"not in the model: {', '.join(missing[:3])}")
+    return Check(name="segment modules", status="passed", detail=f"all {len(schedule.segments)} found in the model")
+
+
+def _modules_check(schedule: Schedule, workload) -> Check:
+    from monet_cli.runtime.fingerprint import model_modules_hash
+
+    if not schedule.fingerprint.modules:
+        return Check(name="module tree", status="not checked", detail="the schedule was made before monet recorded it")
+    if model_modules_hash(workload.model) != schedule.fingerprint.modules:
+        return Check(name="module tree", status="failed", detail="modules or their parameter shapes differ")
+    return Check(name="module tree", status="passed", detail="same modules and parameter shapes")
 
 
 def validate(path: Path, model_spec: str | None) -> Validation:
+    """Check a schedule against a model. A schedule made on a device this machine lacks (CUDA on
+    a CPU-only CI runner) is checked as far as that allows, and the rest is listed as not checked."""
+    import torch
+
+    from monet_cli.workload.step import resolve_device
+
+    schedule = load_schedule(path)  # schema, versions, content hash: exit 6 on failure
+    checks = [Check(name="file", status="passed", detail=f"schema {schedule.schema_version}, content hash")]
+    made_on = schedule.fingerprint.device_type
+    here = made_on == "cpu" or torch.cuda.is_available()
+    workload = _workload(schedule, model_spec, resolve_device(made_on if here else "cpu"))
+    checks += [_modules_check(schedule, workload), _segment_modules(schedule, workload)]
+    found = {}
+    if here:
+        fingerprint = model_fingerprint(workload)
+        found = asdict(fingerprint)
+        checks.append(_ops_check(schedule, fingerprint, f"run on {workload.device.type}"))
+    else:
+        checks += _checks_without_the_device(schedule, workload)
+    failed = [c for c in checks if c.status == "failed"]
+    return Validation(
+        schedule=str(path), model=model_spec or schedule.model.spec, ok=not failed,
+        problem=f"{failed[0].name}: {failed[0].detail}" if failed else None,
+        expected=asdict(schedule.fingerprint), found=found, checks=tuple(checks),
+    )
+
+
+def _ops_check(schedule: Schedule, found, how: str) -> Check:
     from monet_cli.runtime.fingerprint import mismatch
 
-    schedule = load_schedule(path)  # schema, versions, consistency: exit 6 on failure
-    found = model_fingerprint(schedule, model_spec)
     problem = mismatch(schedule.fingerprint, found)
-    return Validation(
-        schedule=str(path), model=model_spec or schedule.model.spec, ok=problem is None, problem=problem,
-        expected=asdict(schedule.fingerprint), found=asdict(found),
-    )
+    if problem:
+        return Check(name="ops and shapes", status="failed", detail=problem)
+    return Check(name="ops and shapes", status="passed", detail=f"same op sequence and shapes ({how})")
+
+
+def _checks_without_the_device(schedule: Schedule, workload) -> list[Check]:
+    """A CUDA schedule on a machine without a GPU: fake CUDA tensors run the forward."""
+    from monet_cli.runtime.fingerprint import fake_cuda_fingerprint, torch_version
+
+    expected = schedule.fingerprint
+    checks = []
+    if expected.torch != torch_version():
+        checks.append(Check(name="torch version", status="not checked", detail=(
+            f"made with torch {expected.torch}, this is {torch_version()}: the GPU machine must run {expected.torch}")))
+    args, kwargs = workload.call_args()
+    try:
+        found = fake_cuda_fingerprint(workload.model, args, kwargs, workload.spec.precision)
+    except Exception as err:  # whatever stops fake tensors, the check is not made; say why
+        checks.append(Check(name="ops and shapes", status="not checked",
+                            detail=f"fake CUDA tensors cannot run this model here ({type(err).__name__}: {err})"))
+    else:
+        if found.structure == expected.structure and found.shapes != expected.shapes:
+            checks.append(Check(name="ops and shapes", status="failed",
+                                detail="the model's shapes differ (fake CUDA tensors, same ops)"))
+        elif found.structure == expected.structure:
+            checks.append(Check(name="ops and shapes", status="passed",
+                                detail="same op sequence and shapes (fake CUDA tensors, no GPU)"))
+        else:
+            checks.append(Check(name="ops and shapes", status="not checked", detail=(
+                "fake CUDA tensors ran other ops than the profiled GPU: PyTorch picks some kernels (fused "
+                "attention) by asking the GPU, so this cannot tell a changed model from a kernel choice")))
+    checks.append(Check(name="memory, time and gradients", status="not checked",
+                        detail="need the GPU: run monet apply --check there"))
+    return checks
 
 
 def raise_if_mismatch(result: Validation) -> None:

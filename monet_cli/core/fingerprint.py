@@ -24,6 +24,12 @@ def structure_hash(ops: Iterable[tuple[str, str]]) -> str:
     return _digest(f"{op}|{module}" for op, module in ops)
 
 
+def modules_hash(modules: Iterable[tuple[str, str, str]]) -> str:
+    """Hash of (module path, class name, its own parameter and buffer shapes) per module: the
+    model's structure as any device sees it, so a CPU runner can check a GPU's schedule."""
+    return _digest(f"{path}|{kind}|{tensors}" for path, kind, tensors in modules)
+
+
 def shapes_hash(signatures: Iterable[str]) -> str:
     """Hash of the tensor argument shapes and dtypes per forward op: changes with the batch."""
     return _digest(signatures)

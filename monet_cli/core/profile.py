@@ -92,6 +92,9 @@ class Fingerprint:
     torch: str
     precision: Precision = "32"
     """The autocast mode of the forward: its casts are part of the op sequence and of memory."""
+    modules: str = ""
+    """Hash of the module tree with parameter and buffer shapes (empty in files made before it):
+    checked by ``monet validate`` where the op sequence cannot be (a CUDA schedule on a CPU)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -117,7 +117,7 @@ class Schedule:
 
 # Optional keys added after the hash's payload was fixed: they enter it only when set, so
 # schedules written before them keep their hash.
-HASHED_WHEN_SET = frozenset({"InputSpec.name", "ModelSpec.precision", "Fingerprint.precision"})
+HASHED_WHEN_SET = frozenset({"InputSpec.name", "ModelSpec.precision", "Fingerprint.precision", "Fingerprint.modules"})
 
 
 def content_hash(schedule: Schedule) -> str:

@@ -32,6 +32,7 @@ from monet_cli.errors import ModelError
 from monet_cli.profiler.capture import LifetimeRecorder, OpTimer, StepRecorder, Timings
 from monet_cli.profiler.overheads import measure_overheads
 from monet_cli.profiler.rehearse import Rehearsal
+from monet_cli.runtime.fingerprint import model_modules_hash
 from monet_cli.workload.step import Workload, build_workload, configure_cuda, run_checked
 
 Progress = Callable[[str], None]
@@ -124,6 +125,7 @@ def build_profile(
             device_type=workload.device.type,
             torch=torch.__version__.split("+")[0],
             precision=workload.spec.precision,
+            modules=model_modules_hash(workload.model),
         ),
         baseline=Baseline(
             peak_bytes=peak_bytes,

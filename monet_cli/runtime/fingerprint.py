@@ -12,9 +12,9 @@ from typing import Any
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_map_only
 
-from monet_cli.core.fingerprint import model_ops, shapes_hash, structure_hash
+from monet_cli.core.fingerprint import model_ops, modules_hash, shapes_hash, structure_hash
 from monet_cli.core.profile import Fingerprint
 from monet_cli.errors import FingerprintError
 
@@ -26,6 +26,14 @@ IGNORED_OPS = frozenset({"aten.detach.default", "prim.device.default"})
 
 def signature(tensors: list[torch.Tensor]) -> str:
     return ";".join(f"{tuple(t.shape)}:{str(t.dtype).removeprefix('torch.')}" for t in tensors)
+
+
+def model_modules_hash(model: nn.Module) -> str:
+    def own_tensors(module: nn.Module) -> str:
+        named = (*module.named_parameters(recurse=False), *module.named_buffers(recurse=False))
+        return ",".join(f"{name}:{tuple(t.shape)}:{str(t.dtype).removeprefix('torch.')}" for name, t in named)
+
+    return modules_hash((path, type(m).__name__, own_tensors(m)) for path, m in model.named_modules())
 
 
 def torch_version() -> str:
@@ -205,3 +213,39 @@ def _device_of(args: Any, output: Any) -> str:
         if isinstance(tensor, torch.Tensor):
             return tensor.device.type
     return "cpu"
+
+
+AUTOCAST_DTYPES = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}
+
+
+def fake_cuda_fingerprint(model: nn.Module, args: tuple, kwargs: dict, precision: str) -> Fingerprint:
+    """The fingerprint of one training forward run on fake CUDA tensors: no GPU and no compute,
+    but PyTorch's CUDA dispatch (cuDNN BatchNorm, autocast's CUDA casts). Kernels PyTorch picks
+    by asking the GPU itself (attention's fused backends) come out other than on a real GPU.
+
+    Raises RuntimeError when this torch cannot make fake CUDA tensors (a CPU-only build)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    if not torch.backends.cuda.is_built():
+        raise RuntimeError(f"torch {torch.__version__} is a CPU-only build")
+    mode = FakeTensorMode()
+    with mode:
+        state = {name: mode.from_tensor(t).to("cuda") for name, t in (*model.named_parameters(), *model.named_buffers())}
+        args, kwargs = tree_map_only(torch.Tensor, lambda t: mode.from_tensor(t).to("cuda"), (args, kwargs))
+    dtype = AUTOCAST_DTYPES.get(precision)
+    with ModuleStack(model) as stack:
+        sequence = OpSequence(stack)
+        # torch.autocast("cuda") turns itself off without a GPU; the state it sets does not.
+        enabled, old_dtype = torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda")
+        try:
+            with mode, sequence:
+                if dtype is not None:
+                    torch.set_autocast_enabled("cuda", True)
+                    torch.set_autocast_dtype("cuda", dtype)
+                torch.func.functional_call(model, state, args, kwargs)
+        finally:
+            torch.set_autocast_enabled("cuda", enabled)
+            torch.set_autocast_dtype("cuda", old_dtype)
+            torch.clear_autocast_cache()
+    return sequence.fingerprint("cuda", precision)
+

@@ -32,7 +32,7 @@ from monet_cli.errors import ModelError
 from monet_cli.profiler.capture import LifetimeRecorder, OpTimer, StepRecorder, Timings
 from monet_cli.profiler.overheads import measure_overheads
 from monet_cli.profiler.rehearse import Rehearsal
-from monet_cli.runtime.fingerprint import model_modules_hash
+from monet_cli.runtime.fingerprint import model_modules_hash, warn_if_untested_torch
 from monet_cli.workload.step import Workload, build_workload, configure_cuda, run_checked
 
 Progress = Callable[[str], None]
@@ -52,6 +52,7 @@ def profile_model(
 ) -> Profile:
     """Warm up, measure the peak, record one step, replay lifetimes, time ``steps`` steps, then
     rehearse the recompute of every candidate segment (last: a re-run may change model state)."""
+    warn_if_untested_torch()
     configure_cuda(device)
     workload = run_checked(lambda: build_workload(spec, device), "building the workload")
     progress("warm-up step")

@@ -29,7 +29,7 @@ from torch.utils.checkpoint import (
 
 from monet_cli.core.schedule import Schedule, load_schedule
 from monet_cli.errors import CheckpointConflictError, FingerprintError
-from monet_cli.runtime.fingerprint import FirstForwardCheck
+from monet_cli.runtime.fingerprint import FirstForwardCheck, warn_if_untested_torch
 from monet_cli.workload.step import make_out_of_place, turn_off_kv_cache
 
 _APPLIED = "_monet_schedule"
@@ -41,6 +41,7 @@ def apply_schedule(model: nn.Module, schedule: Schedule | str | Path, *, check_f
         schedule = load_schedule(Path(schedule))
     if getattr(model, _APPLIED, None) is not None:
         raise FingerprintError("a monet schedule is already applied to this model")
+    warn_if_untested_torch()
     refuse_existing_checkpointing(model)
     model.register_forward_pre_hook(_refuse_on_training_forward)
     if turn_off_kv_cache(model):

@@ -46,6 +46,9 @@ def test_profile_import_path_writes_profile_and_json(tmp_path: Path):
     assert summary["profile"] == str(out) and summary["batch_size"] == 2
     profile = load_profile(out)
     assert summary["baseline_peak_bytes"] == profile.baseline.peak_bytes > 0
+    # On CPU the simulator's unscheduled peak is the measured one, to the byte.
+    assert summary["simulated_baseline_peak_bytes"] == profile.baseline.peak_bytes
+    assert summary["op_ms_sum"] == round(profile.op_ms_sum, 3) > 0
     assert profile.model.target == "tests.models_for_tests:skip_cnn"
     assert "profile" in result.stderr  # the progress bar goes to stderr
 

@@ -251,6 +251,12 @@ class Profile:
     def num_positions(self) -> int:
         return len(self.ops) + len(self.backward)
 
+    @property
+    def op_ms_sum(self) -> float:
+        """The profiled op times added up: against ``baseline.step_ms`` it shows what the per-op
+        timing leaves out (Python between ops) or adds (a synchronisation per op on CUDA)."""
+        return sum(op.time_ms for op in self.ops) + sum(op.time_ms for op in self.backward)
+
 
 # Written only where measured (CUDA), so CPU profiles do not repeat a zero on every op.
 OMITTED_WHEN_DEFAULT = frozenset({"OpRecord.workspace_bytes", "BackwardOp.workspace_bytes"})

@@ -50,6 +50,12 @@ def test_a_cuda_schedule_holds_its_budget_and_gradients():
     device = torch.device("cuda")
     profile = profile_model(small_spec("resnet18", shape=(3, 64, 64), batch_size=16), device, steps=2)
     assert profile.baseline.meter == "cuda-allocator"
+    from monet_cli.core.simulate import simulate
+
+    # Block sizes, workspaces and the allocator's non-tensor bytes: the simulator's unscheduled
+    # step is what the allocator measured.
+    simulated = simulate(profile, {}).peak_bytes
+    assert abs(simulated - profile.baseline.peak_bytes) <= 0.02 * profile.baseline.peak_bytes, simulated
     model = SegmentModel(profile)
     planner = Planner(model)
     floor = planner.minimum_peak(time_limit_s=20, workers=2, seed=0)

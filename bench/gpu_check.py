@@ -57,24 +57,22 @@ def _spec(name: str):
 
 def run_workload(name: str, device: torch.device) -> dict:
     from bench.real_models import case_budgets
-    from monet_cli.core.plan import build_schedule
+    from monet_cli.core.plan import solve_schedule
     from monet_cli.core.segments import SegmentModel
     from monet_cli.core.simulate import simulate
-    from monet_cli.core.solver.search import Planner, solver_info
+    from monet_cli.core.solver.search import Planner
     from monet_cli.profiler.run import profile_model
     from monet_cli.runtime.compare import run_apply
 
     start = time.perf_counter()
     profile = profile_model(_spec(name), device, steps=3)
     profile_s = time.perf_counter() - start
-    model = SegmentModel(profile)
-    planner = Planner(model)
+    planner = Planner(SegmentModel(profile))
     lowest = planner.minimum_peak(time_limit_s=TIME_LIMIT_S, workers=2, seed=0)
     runs = []
     for label, budget in case_budgets(profile.baseline.peak_bytes, lowest.peak_bytes).items():
-        outcome = planner.solve(budget, time_limit_s=TIME_LIMIT_S, workers=2, seed=0, hint=lowest.plan)
-        schedule = build_schedule(profile, outcome.plan, budget_bytes=budget, budget_spec=label, profile_sha256="",
-                                  model=model, solver=solver_info(outcome, workers=2, seed=0, time_limit_s=TIME_LIMIT_S))
+        schedule, outcome = solve_schedule(planner, budget, label, time_limit_s=TIME_LIMIT_S, workers=2, seed=0,
+                                           hint=lowest.plan)
         report = run_apply(schedule, device, steps=3, check=True)
         check = report.check
         runs.append({

@@ -25,11 +25,11 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from monet_cli.core.plan import build_schedule
+from monet_cli.core.plan import solve_schedule
 from monet_cli.core.profile import InputSpec, ModelSpec, Profile
 from monet_cli.core.schedule import Schedule
 from monet_cli.core.segments import SegmentModel
-from monet_cli.core.solver.search import Planner, solver_info
+from monet_cli.core.solver.search import Planner
 from monet_cli.profiler.run import profile_model
 from monet_cli.runtime.compare import ApplyReport, run_apply
 from monet_cli.workload.resolve import Overrides, resolve_model_spec
@@ -150,13 +150,10 @@ def run_case(spec: ModelSpec, *, time_limit_s: float = 10.0) -> CaseResult:
     runs = []
     for label, budget in case_budgets(profile.baseline.peak_bytes, floor).items():
         # The smallest peak's plan fits every budget: a schedule exists however slow the machine.
-        outcome = planner.solve(budget, time_limit_s=time_limit_s, workers=1, seed=0, hint=lowest.plan)
-        if outcome.plan is None:
+        schedule, _ = solve_schedule(planner, budget, label, time_limit_s=time_limit_s, workers=1, seed=0,
+                                     hint=lowest.plan)
+        if schedule is None:
             raise AssertionError(f"{spec.name}: no schedule at {label} ({budget} B, floor {floor} B)")
-        schedule = build_schedule(
-            profile, outcome.plan, budget_bytes=budget, budget_spec=label, profile_sha256="", model=model,
-            solver=solver_info(outcome, workers=1, seed=0, time_limit_s=time_limit_s),
-        )
         runs.append(CaseRun(label=label, schedule=schedule, report=run_apply(schedule, CPU, steps=1, check=True)))
     return CaseResult(profile=profile, floor_bytes=floor, runs=tuple(runs))
 

@@ -31,10 +31,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench import methods as M  # noqa: E402
-from monet_cli.core.plan import build_schedule  # noqa: E402
+from monet_cli.core.plan import solve_schedule  # noqa: E402
 from monet_cli.core.profile import InputSpec, Profile  # noqa: E402
 from monet_cli.core.segments import SegmentModel  # noqa: E402
-from monet_cli.core.solver.search import Planner, solver_info  # noqa: E402
+from monet_cli.core.solver.search import Planner  # noqa: E402
 from monet_cli.profiler.run import env_info, profile_model  # noqa: E402
 from monet_cli.workload.resolve import Overrides, resolve_model_spec  # noqa: E402
 
@@ -71,17 +71,14 @@ def monet_points(profile: Profile, fractions: list[int], time_limit: float, work
     budgets = [(f"{pct}%", profile.baseline.peak_bytes * pct // 100) for pct in fractions]
     while budgets:
         spec, budget = budgets.pop(0)
-        outcome = planner.solve(budget, time_limit_s=time_limit, workers=workers, seed=0)
+        schedule, outcome = solve_schedule(planner, budget, spec, time_limit_s=time_limit, workers=workers, seed=0)
         log(f"monet {spec}: {outcome.status} in {outcome.time_s:.2f}s")
-        if outcome.plan is None:
+        if schedule is None:
             if spec != "min":  # end the curve at the smallest peak any schedule reaches
                 lowest = planner.minimum_peak(time_limit_s=time_limit, workers=workers, seed=0).peak_bytes
                 if not points or lowest < points[-1][1]["budget_bytes"]:
                     budgets = [("min", lowest)]
             continue
-        info = solver_info(outcome, workers=workers, seed=0, time_limit_s=time_limit)
-        schedule = build_schedule(profile, outcome.plan, budget_bytes=budget, budget_spec=spec, solver=info,
-                                  profile_sha256="", model=planner.model)
         points.append((schedule, {
             "budget_bytes": budget, "predicted_peak_bytes": schedule.predicted.peak_bytes,
             "predicted_overhead": schedule.predicted.overhead, "solve_time_s": outcome.time_s,

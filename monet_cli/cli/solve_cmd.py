@@ -8,11 +8,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from monet_cli.core.plan import build_schedule
+from monet_cli.core.plan import solve_schedule
 from monet_cli.core.profile import Profile, load_profile
 from monet_cli.core.schedule import Schedule, file_sha256, save_schedule
 from monet_cli.core.segments import SegmentModel
-from monet_cli.core.solver.search import Planner, SolveOutcome, solver_info
+from monet_cli.core.solver.search import Planner, SolveOutcome
 from monet_cli.core.units import describe_bytes, format_bytes, parse_budget, parse_size
 from monet_cli.core.yamlio import check_writable
 from monet_cli.errors import InfeasibleError, NoSolutionError, UsageError
@@ -55,18 +55,11 @@ def solve_profile(
     report=lambda message: None,
 ) -> tuple[Schedule, SolveOutcome]:
     budget = parse_budget(budget_spec, baseline_peak_bytes=profile.baseline.peak_bytes)
-    model = SegmentModel(profile)
-    planner = Planner(model)
-    outcome = planner.solve(budget, time_limit_s=time_limit, workers=workers, seed=seed, report=report)
-    if outcome.plan is None:
+    planner = Planner(SegmentModel(profile))
+    schedule, outcome = solve_schedule(planner, budget, budget_spec, time_limit_s=time_limit, workers=workers,
+                                       seed=seed, profile_sha256=file_sha256(profile_path), report=report)
+    if schedule is None:
         _explain_failure(planner, outcome, budget, time_limit, workers, seed)
-    schedule = build_schedule(
-        profile, outcome.plan, budget_bytes=budget, budget_spec=budget_spec, model=model,
-        profile_sha256=file_sha256(profile_path),
-        solver=solver_info(outcome, workers=workers, seed=seed, time_limit_s=time_limit),
-    )
-    if schedule.predicted.peak_bytes > budget:  # the simulator is the judge; never write a plan over budget
-        raise AssertionError("internal error: solver returned a plan the simulator puts over budget")
     return schedule, outcome
 
 
@@ -192,23 +185,18 @@ def run_sweep(args: SolveArgs, sweep: str, plot: Path | None) -> None:
 
     profile_path, profile, workers = _inputs(args)
     budgets = sweep_budgets(sweep, profile.baseline.peak_bytes)
-    model = SegmentModel(profile)
-    planner = Planner(model)
+    planner = Planner(SegmentModel(profile))
     rows, hint = [], None
     with stderr.status("solving ...") as status:
         for spec in budgets:
             budget = parse_budget(spec, baseline_peak_bytes=profile.baseline.peak_bytes)
             status.update(f"solving {spec} ({format_bytes(budget)})")
-            outcome = planner.solve(budget, time_limit_s=args.time_limit, workers=workers, seed=args.seed, hint=hint)
-            if outcome.plan is None:
+            schedule, outcome = solve_schedule(planner, budget, spec, time_limit_s=args.time_limit, workers=workers,
+                                               seed=args.seed, hint=hint, profile_sha256=file_sha256(profile_path))
+            if schedule is None:
                 rows.append({"budget_spec": spec, "budget_bytes": budget, "status": outcome.status, "schedule": None})
                 break  # tighter budgets cannot do better
             hint = outcome.plan
-            schedule = build_schedule(
-                profile, outcome.plan, budget_bytes=budget, budget_spec=spec, model=model,
-                profile_sha256=file_sha256(profile_path),
-                solver=solver_info(outcome, workers=workers, seed=args.seed, time_limit_s=args.time_limit),
-            )
             path = Path("schedules") / schedule_name(profile_path, spec)
             save_schedule(schedule, path)
             rows.append({**summary(schedule, path), "budget_spec": spec})

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as _dt
+from collections.abc import Callable
 
 from monet_cli.core.profile import Profile
 from monet_cli.core.schedule import (
@@ -18,6 +19,7 @@ from monet_cli.core.schedule import (
 )
 from monet_cli.core.segments import SegmentModel
 from monet_cli.core.simulate import Plan, SimResult, simulate
+from monet_cli.core.solver.search import Planner, SolveOutcome, solver_info
 
 
 def segment_decisions(model: SegmentModel, plan: Plan) -> tuple[SegmentDecision, ...]:
@@ -93,3 +95,32 @@ def build_schedule(
 
 def _now() -> str:
     return _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat()
+
+
+def solve_schedule(
+    planner: Planner,
+    budget_bytes: int,
+    budget_spec: str,
+    *,
+    time_limit_s: float,
+    workers: int,
+    seed: int,
+    hint: Plan | None = None,
+    profile_sha256: str = "",
+    report: Callable[[str], None] = lambda message: None,
+) -> tuple[Schedule | None, SolveOutcome]:
+    """Profile + budget -> schedule, the one way: solve, then score the plan with the simulator
+    (None when the solver found no plan). Solve, the sweep, the benchmarks and gpu-check all
+    come through here."""
+    outcome = planner.solve(budget_bytes, time_limit_s=time_limit_s, workers=workers, seed=seed, hint=hint,
+                            report=report)
+    if outcome.plan is None:
+        return None, outcome
+    schedule = build_schedule(
+        planner.model.profile, outcome.plan, budget_bytes=budget_bytes, budget_spec=budget_spec,
+        model=planner.model, profile_sha256=profile_sha256,
+        solver=solver_info(outcome, workers=workers, seed=seed, time_limit_s=time_limit_s),
+    )
+    if schedule.predicted.peak_bytes > budget_bytes:  # the simulator is the judge; never return a plan over budget
+        raise AssertionError("internal error: solver returned a plan the simulator puts over budget")
+    return schedule, outcome

@@ -83,7 +83,7 @@ def monet_points(profile: Profile, fractions: list[int], time_limit: float, work
             "budget_bytes": budget, "predicted_peak_bytes": schedule.predicted.peak_bytes,
             "predicted_overhead": schedule.predicted.overhead, "solve_time_s": outcome.time_s,
             "status": outcome.status, "gap": outcome.gap, "segments": len(schedule.segments),
-            "kept_ops": sum(len(s.kept_ops()) for s in schedule.segments),
+            "kept_ops": len(schedule.keeps),
         }))
     return points
 

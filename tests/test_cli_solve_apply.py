@@ -50,7 +50,7 @@ def test_solve_writes_a_complete_schedule(workdir: Path):
     for key in ("schema_version", "kind", "budget_bytes", "budget_spec", "model", "fingerprint", "profile_sha256",
                 "predicted", "solver", "env"):
         assert key in data, key
-    assert data["kind"] == "monet.schedule" and data["schema_version"] == 1 and data["budget_spec"] == "90%"
+    assert data["kind"] == "monet.schedule" and data["schema_version"] == 2 and data["budget_spec"] == "90%"
     assert set(data["predicted"]) >= {"peak_bytes", "step_ms", "overhead"}
     assert set(data["solver"]) >= {"status", "objective", "bound", "gap", "time_s", "workers", "seed", "ortools"}
 

@@ -162,7 +162,14 @@ def test_schedule_files_hold_nested_pairs_and_refuse_other_overlaps(two_branch, 
     from dataclasses import replace
 
     from monet_cli.core.plan import build_schedule, plan_of
-    from monet_cli.core.schedule import SolverInfo, consistency_problem, load_schedule, save_schedule, with_content_hash
+    from monet_cli.core.schedule import (
+        KeepDecision,
+        SolverInfo,
+        consistency_problem,
+        load_schedule,
+        save_schedule,
+        with_content_hash,
+    )
 
     profile, model, _ = two_branch
     by_name = {seg.fqn: c for c, seg in model.segments.items()}
@@ -175,12 +182,12 @@ def test_schedule_files_hold_nested_pairs_and_refuse_other_overlaps(two_branch, 
     assert plan_of(load_schedule(tmp_path / "nested.yaml")) == plan
 
     outer, inner = schedule.segments
-    keeping = replace(inner, decisions=tuple(replace(d, action="keep") for d in inner.decisions))
-    assert inner.decisions
-    edited = with_content_hash(replace(schedule, segments=(outer, keeping)))
+    candidate = model.segments[inner.call].candidates[0]
+    keep = KeepDecision(segment=inner.module, index=candidate, op=profile.ops[candidate].op, occurrence=0)
+    edited = with_content_hash(replace(schedule, decisions=(outer, inner, keep)))
     assert "nested and keep ops" in consistency_problem(edited)
-    crossing = replace(inner, first_op=outer.end_op - 1, end_op=outer.end_op + 1, decisions=())
-    edited = with_content_hash(replace(schedule, segments=(outer, crossing)))
+    crossing = replace(inner, first_op=outer.end_op - 1, end_op=outer.end_op + 1)
+    edited = with_content_hash(replace(schedule, decisions=(outer, crossing)))
     assert "overlap" in consistency_problem(edited)
 
 

@@ -79,11 +79,12 @@ def profile_report(profile: Profile, path: Path) -> dict[str, Any]:
 
 def schedule_report(schedule: Schedule, path: Path, profile: Profile | None) -> dict[str, Any]:
     nested_in = schedule.nested_in()
+    saved = _saved_ops(schedule, profile)
     segments = [
         {"module": s.module, "nested_in": nested_in.get(s.module), "ops": s.end_op - s.first_op,
          "recompute_ms": s.recompute_ms,
-         "kept": [f"{d.op}#{d.occurrence}" for d in s.decisions if d.action == "keep"],
-         "recomputed": [f"{d.op}#{d.occurrence}" for d in s.decisions if d.action == "recompute"]}
+         "kept": [f"{k.op}#{k.occurrence}" for k in schedule.kept_in(s.module)],
+         "recomputed": None if saved is None else len(saved[s.call] - schedule.kept()[s.call])}
         for s in schedule.segments
     ]
     report = {
@@ -96,6 +97,15 @@ def schedule_report(schedule: Schedule, path: Path, profile: Profile | None) -> 
     if profile is not None:
         report["top_memory_at_peak"] = top_holders(profile, plan_of(schedule))
     return report
+
+
+def _saved_ops(schedule: Schedule, profile: Profile | None) -> dict[int, frozenset[int]] | None:
+    """Per segment, the ops whose outputs autograd saves inside it (kept or recomputed); the
+    schedule lists only what it keeps, so this needs the profile."""
+    if profile is None:
+        return None
+    segments = SegmentModel(profile).segments
+    return {s.call: frozenset(segments[s.call].candidates) for s in schedule.segments}
 
 
 def timeline(target: Profile | Schedule, profile: Profile | None, out: Path) -> None:

@@ -112,7 +112,7 @@ def schedule_table(schedule: Schedule, path: str) -> Table:
     table = Table(title=f"monet solve: {schedule.model.name}", show_header=False, title_justify="left")
     table.add_column("what", style="bold")
     table.add_column("value")
-    kept = sum(len(s.kept_ops()) for s in schedule.segments)
+    kept = len(schedule.keeps)
     rows = [
         ("budget", f"{format_bytes(schedule.budget_bytes)}  ({schedule.budget_spec})"),
         ("predicted peak", f"{format_bytes(pred.peak_bytes)}  (baseline {format_bytes(pred.baseline_peak_bytes)})"),
@@ -168,7 +168,7 @@ def inspect_tables(report: dict[str, Any]) -> None:
             seg.add_column(column)
         for s in report["segments"]:
             seg.add_row(s["module"], s["nested_in"] or "-", str(s["ops"]), ", ".join(s["kept"]) or "-",
-                        str(len(s["recomputed"])), f"{s['recompute_ms']:.2f}")
+                        "-" if s["recomputed"] is None else str(s["recomputed"]), f"{s['recompute_ms']:.2f}")
         console.print(seg)
     if report.get("not_checkpointable"):
         blocked = Table(title="module calls monet will not checkpoint", title_justify="left")

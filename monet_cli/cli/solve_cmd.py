@@ -105,7 +105,7 @@ def summary(schedule: Schedule, path: Path) -> dict[str, Any]:
         "baseline_step_ms": schedule.predicted.baseline_step_ms,
         "overhead": schedule.predicted.overhead,
         "segments": len(schedule.segments),
-        "kept_ops": sum(len(s.kept_ops()) for s in schedule.segments),
+        "kept_ops": len(schedule.keeps),
         "status": schedule.solver.status,
         "method": schedule.solver.method,
         "objective_ms": schedule.solver.objective,

@@ -82,6 +82,9 @@ class _Reader:
             if type(None) in options:
                 return None
             raise self.fail(path, "must not be empty")
+        tagged = self._tagged_option(options, data, path)
+        if tagged is not None:
+            return self.read(tagged, data, path)
         errors = []
         for option in options:
             if option is type(None):
@@ -91,6 +94,21 @@ class _Reader:
             except FileFormatError as err:
                 errors.append(err)
         raise errors[0]
+
+    def _tagged_option(self, options: tuple, data: Any, path: str) -> Any:
+        """For a union of dataclasses told apart by a ``kind`` literal: the one ``data`` names."""
+        kinds = {}
+        for option in options:
+            hint = get_type_hints(option).get("kind") if dataclasses.is_dataclass(option) else None
+            if get_origin(hint) is not typing.Literal:
+                return None
+            kinds.update(dict.fromkeys(get_args(hint), option))
+        if not isinstance(data, dict) or "kind" not in data:
+            return None
+        if data["kind"] not in kinds:
+            known = ", ".join(map(str, kinds))
+            raise self.fail(_join(path, "kind"), f"unknown kind {data['kind']!r} (known: {known}; written by a newer monet?)")
+        return kinds[data["kind"]]
 
     def _read_scalar(self, tp: Any, data: Any, path: str) -> Any:
         name = getattr(tp, "__name__", str(tp))

@@ -10,7 +10,8 @@ from monet_cli.core.schedule import (
     EXECUTOR,
     SCHEDULE_KIND,
     SCHEMA_VERSION,
-    OpDecision,
+    Decision,
+    KeepDecision,
     Predicted,
     Schedule,
     SegmentDecision,
@@ -22,32 +23,25 @@ from monet_cli.core.simulate import Plan, SimResult, simulate
 from monet_cli.core.solver.search import Planner, SolveOutcome, solver_info
 
 
-def segment_decisions(model: SegmentModel, plan: Plan) -> tuple[SegmentDecision, ...]:
-    """Decisions in forward order: every keep candidate gets keep or recompute."""
+def decisions_of(model: SegmentModel, plan: Plan) -> tuple[Decision, ...]:
+    """The plan as schedule decisions, in forward order: each segment, then the ops it keeps."""
     ops = model.profile.ops
     frames = model.frames(plan)
-    segments = []
+    decisions: list[Decision] = []
     for call in sorted(plan, key=lambda c: (model.segments[c].first_op, -model.segments[c].end_op)):
         seg = model.segments[call]
-        decisions = tuple(
-            OpDecision(
-                index=i, op=ops[i].op, occurrence=model.occurrence(call, i),
-                action="keep" if i in plan[call] else "recompute",
-            )
-            for i in seg.candidates
-        )
-        segments.append(
-            SegmentDecision(
-                module=seg.fqn, call=call, first_op=seg.first_op, end_op=seg.end_op,
-                recompute_ms=round(model.recompute_ms(call, plan[call], frames[call]), 4),
-                overhead_ms=round(model.overhead_ms(call, plan[call], frames[call]), 4), decisions=decisions,
-            )
-        )
-    return tuple(segments)
+        decisions.append(SegmentDecision(
+            module=seg.fqn, call=call, first_op=seg.first_op, end_op=seg.end_op,
+            recompute_ms=round(model.recompute_ms(call, plan[call], frames[call]), 4),
+            overhead_ms=round(model.overhead_ms(call, plan[call], frames[call]), 4),
+        ))
+        decisions += [KeepDecision(segment=seg.fqn, index=i, op=ops[i].op, occurrence=model.occurrence(call, i))
+                      for i in sorted(plan[call])]
+    return tuple(decisions)
 
 
 def plan_of(schedule: Schedule) -> Plan:
-    return {s.call: s.kept_ops() for s in schedule.segments}
+    return schedule.kept()
 
 
 def predicted(profile: Profile, result: SimResult) -> Predicted:
@@ -89,7 +83,7 @@ def build_schedule(
         executor=EXECUTOR,
         created_at=created_at if created_at is not None else _now(),
         content_sha256="",
-        segments=segment_decisions(model, plan),
+        decisions=decisions_of(model, plan),
     ))
 
 

@@ -270,8 +270,8 @@ def save_profile(profile: Profile, path: Path) -> None:
     atomic_write_text(Path(path), dump_profile(profile))
 
 
-def check_header(data: dict[str, Any], *, source: str, kind: str) -> None:
-    """Reject the wrong kind of file or an unknown schema version before anything else."""
+def check_header(data: dict[str, Any], *, source: str, kind: str, versions: tuple[int, ...] = (SCHEMA_VERSION,)) -> int:
+    """Reject the wrong kind of file or an unknown schema version before anything else; return the version."""
     found_kind = data.get("kind")
     if found_kind != kind:
         if isinstance(found_kind, str) and found_kind.startswith("monet."):
@@ -282,11 +282,13 @@ def check_header(data: dict[str, Any], *, source: str, kind: str) -> None:
         raise FileFormatError(f"{source}: schema_version: missing key")
     if not isinstance(version, int) or isinstance(version, bool):
         raise FileFormatError(f"{source}: schema_version: expected int, got {version!r}")
-    if version != SCHEMA_VERSION:
-        hint = "written by a newer monet: upgrade monet" if version > SCHEMA_VERSION else "no longer supported"
+    if version not in versions:
+        hint = "written by a newer monet: upgrade monet" if version > max(versions) else "no longer supported"
+        readable = " and ".join(map(str, versions))
         raise FileFormatError(
-            f"{source}: schema_version: {version} is not supported (this monet reads {SCHEMA_VERSION}; {hint})"
+            f"{source}: schema_version: {version} is not supported (this monet reads {readable}; {hint})"
         )
+    return version
 
 
 def profile_from_data(data: dict[str, Any], *, source: str) -> Profile:

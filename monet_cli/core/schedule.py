@@ -1,19 +1,25 @@
-"""The schedule: which module calls become checkpointed segments and, inside each, which
-op outputs are kept from the forward (the rest are recomputed in backward).
+"""The schedule: a flat list of decisions about a model's training step, scored by the
+simulator.
 
-Each decision names an op by its aten overload and its occurrence among ops of that
-overload inside the segment: the key selective activation checkpointing uses. The
-``action`` field is an open set of names so later versions can add ``offload`` or
-``compress`` without a format break; ``impl`` names an operator variant.
+Schema 2 lists one decision per line, each with its ``kind``:
+
+- ``segment``: a module call whose forward runs under checkpoint (its saved tensors are
+  recomputed in backward), with the time that costs;
+- ``keep``: inside a segment, an op whose output is kept from the forward instead. It names
+  the op by its aten overload and its occurrence among ops of that overload inside the
+  segment: the key selective activation checkpointing uses.
+
+A new kind of decision (an operator variant, an offload) is one more record type here.
+Schema 1 files (segments holding keep/recompute lists) are read and migrated.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from monet_cli.core.codec import flow_row, from_data, to_data
 from monet_cli.core.profile import EnvInfo, Fingerprint, ModelSpec, check_header
@@ -21,31 +27,15 @@ from monet_cli.core.yamlio import atomic_write_text, dump_yaml, load_yaml_file
 from monet_cli.errors import FileFormatError
 
 SCHEDULE_KIND = "monet.schedule"
-SCHEMA_VERSION = 1
-KNOWN_ACTIONS = ("keep", "recompute")
+SCHEMA_VERSION = 2
+READABLE_VERSIONS = (1, 2)
 EXECUTOR = "segments+sac"
 
 
 @flow_row
 @dataclass(frozen=True, kw_only=True, slots=True)
-class OpDecision:
-    index: int
-    """Position of the op in the profile's forward."""
-    op: str
-    occurrence: int
-    """How many ops of the same overload ran before it inside the segment."""
-    action: str
-    """``keep`` (saved from the forward) or ``recompute``."""
-    impl: str | None = None
-    """Operator variant; None = PyTorch's default."""
-
-    def __post_init__(self) -> None:
-        if self.action not in KNOWN_ACTIONS:
-            raise ValueError(f"unknown action {self.action!r} for op {self.index} (known: {', '.join(KNOWN_ACTIONS)})")
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
 class SegmentDecision:
+    kind: Literal["segment"] = "segment"
     module: str
     """Module path whose forward runs under checkpoint."""
     call: int
@@ -55,11 +45,22 @@ class SegmentDecision:
     """Profiled time of the ops this segment re-runs in backward."""
     overhead_ms: float = 0.0
     """Measured checkpoint machinery time (per call, plus per op when it keeps ops)."""
-    decisions: tuple[OpDecision, ...] = ()
-    """One entry per op whose output autograd saves; other ops are simply re-run."""
 
-    def kept_ops(self) -> frozenset[int]:
-        return frozenset(d.index for d in self.decisions if d.action == "keep")
+
+@flow_row
+@dataclass(frozen=True, kw_only=True, slots=True)
+class KeepDecision:
+    kind: Literal["keep"] = "keep"
+    segment: str
+    """Module path of the segment the op runs in."""
+    index: int
+    """Position of the op in the profile's forward."""
+    op: str
+    occurrence: int
+    """How many ops of the same overload ran before it inside the segment."""
+
+
+Decision = SegmentDecision | KeepDecision
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -88,7 +89,7 @@ class SolverInfo:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class Schedule:
+class _Header:
     schema_version: int
     kind: str
     budget_bytes: int
@@ -102,12 +103,31 @@ class Schedule:
     executor: str = EXECUTOR
     created_at: str = ""
     content_sha256: str
-    """Hash of everything above except ``created_at`` and ``solver.time_s``: equal for equal solves."""
-    segments: tuple[SegmentDecision, ...] = field(default_factory=tuple)
+    """Hash of everything but ``created_at`` and ``solver.time_s``: equal for equal solves."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Schedule(_Header):
+    decisions: tuple[Decision, ...] = ()
+    """Each segment, followed by the keeps inside it, in forward order."""
+
+    @property
+    def segments(self) -> tuple[SegmentDecision, ...]:
+        return tuple(d for d in self.decisions if isinstance(d, SegmentDecision))
+
+    @property
+    def keeps(self) -> tuple[KeepDecision, ...]:
+        return tuple(d for d in self.decisions if isinstance(d, KeepDecision))
 
     def kept(self) -> dict[int, frozenset[int]]:
         """Segment call index -> kept op indices."""
-        return {s.call: s.kept_ops() for s in self.segments}
+        kept: dict[str, set[int]] = {s.module: set() for s in self.segments}
+        for keep in self.keeps:
+            kept[keep.segment].add(keep.index)
+        return {s.call: frozenset(kept[s.module]) for s in self.segments}
+
+    def kept_in(self, segment: str) -> tuple[KeepDecision, ...]:
+        return tuple(k for k in self.keeps if k.segment == segment)
 
     def nested_in(self) -> dict[str, str]:
         """Module of each nested segment -> module of the segment it runs in."""
@@ -120,11 +140,11 @@ class Schedule:
 HASHED_WHEN_SET = frozenset({"InputSpec.name", "ModelSpec.precision", "Fingerprint.precision", "Fingerprint.modules"})
 
 
-def content_hash(schedule: Schedule) -> str:
+def content_hash(schedule: Schedule | _V1Schedule) -> str:
     """SHA-256 of the canonical payload: no timestamps, no wall times, no hash itself."""
     stripped = replace(schedule, created_at="", content_sha256="", solver=replace(schedule.solver, time_s=0.0))
     # Through the loader once, so a value typed 0 in memory and 0.0 in the file hash alike.
-    data = to_data(from_data(Schedule, to_data(stripped), source="<hash>"), omit_defaults=HASHED_WHEN_SET)
+    data = to_data(from_data(type(schedule), to_data(stripped), source="<hash>"), omit_defaults=HASHED_WHEN_SET)
     canonical = json.dumps(data, sort_keys=True, separators=(",", ":"), default=list)
     return hashlib.sha256(canonical.encode("utf-8")).hexdigest()
 
@@ -137,12 +157,21 @@ def consistency_problem(schedule: Schedule) -> str | None:
     """Why a schedule's parts disagree (e.g. decisions edited by hand), or None."""
     if schedule.content_sha256 != content_hash(schedule):
         return "content_sha256: does not match the file's contents (edited by hand? re-run monet solve)"
-    problem = _nesting_problem(schedule.segments)
+    segments = {s.module: s for s in schedule.segments}
+    if len(segments) != len(schedule.segments):
+        return "decisions: a module is a segment twice"
+    for s in schedule.segments:
+        if s.first_op >= s.end_op:
+            return f"decisions: segment '{s.module}' runs no ops ({s.first_op}..{s.end_op - 1})"
+    for k in schedule.keeps:
+        segment = segments.get(k.segment)
+        if segment is None:
+            return f"decisions: keep of op {k.index} names '{k.segment}', which is no segment"
+        if not segment.first_op <= k.index < segment.end_op:
+            return f"decisions: keep of op {k.index} is outside segment '{k.segment}' ({segment.first_op}..{segment.end_op - 1})"
+    problem = _nesting_problem(schedule)
     if problem:
         return problem
-    for s in schedule.segments:
-        if s.first_op >= s.end_op or any(not s.first_op <= d.index < s.end_op for d in s.decisions):
-            return f"segments.{s.module}: decisions outside the segment's ops {s.first_op}..{s.end_op - 1}"
     pred = schedule.predicted
     expected_ms = pred.baseline_step_ms + sum(s.recompute_ms + s.overhead_ms for s in schedule.segments)
     if abs(expected_ms - pred.step_ms) > 1e-3 * (1 + len(schedule.segments)):
@@ -152,10 +181,11 @@ def consistency_problem(schedule: Schedule) -> str | None:
     return None
 
 
-def _nesting_problem(segments: tuple[SegmentDecision, ...]) -> str:
+def _nesting_problem(schedule: Schedule) -> str:
     """Segments may overlap only as nested pairs: one inside another, two levels, one inner
     segment per outer one, neither keeping anything."""
-    ordered = sorted(segments, key=lambda s: (s.first_op, -s.end_op))
+    ordered = sorted(schedule.segments, key=lambda s: (s.first_op, -s.end_op))
+    keeping = {k.segment for k in schedule.keeps}
     outer_of: dict[str, str] = {}
     for i, outer in enumerate(ordered):
         for inner in ordered[i + 1:]:
@@ -163,17 +193,13 @@ def _nesting_problem(segments: tuple[SegmentDecision, ...]) -> str:
                 break
             names = f"'{outer.module}' and '{inner.module}'"
             if inner.end_op > outer.end_op:
-                return f"segments: {names} overlap"
-            if outer.kept_ops() or inner.kept_ops():
-                return f"segments: {names} are nested and keep ops (nested segments recompute everything)"
+                return f"decisions: segments {names} overlap"
+            if outer.module in keeping or inner.module in keeping:
+                return f"decisions: segments {names} are nested and keep ops (nested segments recompute everything)"
             if outer.module in outer_of or outer.module in outer_of.values():
-                return f"segments: {names} nest more than one segment or deeper than two levels"
+                return f"decisions: segments {names} nest more than one segment or deeper than two levels"
             outer_of[inner.module] = outer.module
     return ""
-
-
-def schedule_to_data(schedule: Schedule) -> dict[str, Any]:
-    return to_data(schedule)
 
 
 def save_schedule(schedule: Schedule, path: Path) -> None:
@@ -181,8 +207,11 @@ def save_schedule(schedule: Schedule, path: Path) -> None:
 
 
 def schedule_from_data(data: dict[str, Any], *, source: str) -> Schedule:
-    check_header(data, source=source, kind=SCHEDULE_KIND)
-    schedule = from_data(Schedule, data, source=source)
+    version = check_header(data, source=source, kind=SCHEDULE_KIND, versions=READABLE_VERSIONS)
+    if version == 1:
+        schedule = migrate_v1(data, source=source)
+    else:
+        schedule = from_data(Schedule, data, source=source)
     problem = consistency_problem(schedule)
     if problem is not None:
         raise FileFormatError(f"{source}: {problem}")
@@ -196,3 +225,49 @@ def load_schedule(path: Path) -> Schedule:
 
 def file_sha256(path: Path) -> str:
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+# -- schema 1: segments holding their op decisions ------------------------------------
+
+
+@flow_row
+@dataclass(frozen=True, kw_only=True, slots=True)
+class _V1Op:
+    index: int
+    op: str
+    occurrence: int
+    action: Literal["keep", "recompute"]
+    impl: str | None = None
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class _V1Segment:
+    module: str
+    call: int
+    first_op: int
+    end_op: int
+    recompute_ms: float
+    overhead_ms: float = 0.0
+    decisions: tuple[_V1Op, ...] = ()
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class _V1Schedule(_Header):
+    segments: tuple[_V1Segment, ...] = ()
+
+
+def migrate_v1(data: dict[str, Any], *, source: str) -> Schedule:
+    """A schema 1 schedule as schema 2: its hash checked the way it was written, then each
+    segment followed by its keeps (its ``recompute`` entries were the default, now implied)."""
+    old = from_data(_V1Schedule, data, source=source)
+    if old.content_sha256 != content_hash(old):
+        raise FileFormatError(f"{source}: content_sha256: does not match the file's contents (edited by hand? "
+                              "re-run monet solve)")
+    decisions: list[Decision] = []
+    for s in old.segments:
+        decisions.append(SegmentDecision(module=s.module, call=s.call, first_op=s.first_op, end_op=s.end_op,
+                                         recompute_ms=s.recompute_ms, overhead_ms=s.overhead_ms))
+        decisions += [KeepDecision(segment=s.module, index=d.index, op=d.op, occurrence=d.occurrence)
+                      for d in s.decisions if d.action == "keep"]
+    header = {f.name: getattr(old, f.name) for f in fields(_Header)}
+    return with_content_hash(Schedule(**{**header, "schema_version": SCHEMA_VERSION}, decisions=tuple(decisions)))

@@ -58,7 +58,7 @@ def apply_schedule(model: nn.Module, schedule: Schedule | str | Path, *, check_f
                 f"schedule segment '{segment.module}' is not a module of this model "
                 "(the schedule was made for another model)"
             )
-        keep = frozenset((d.op, d.occurrence) for d in segment.decisions if d.action == "keep")
+        keep = frozenset((k.op, k.occurrence) for k in schedule.kept_in(segment.module))
         _wrap_forward(module, keep, marker)
         _guard_batchnorms(module)
     if check_fingerprint:

@@ -194,7 +194,8 @@ def measure_step(
         torch.cuda.reset_peak_memory_stats(device)
         step()
         torch.cuda.synchronize(device)
-        peak = int(torch.cuda.max_memory_allocated(device)) - allocated_bytes(foreign)
+        on_device = [t for t in foreign if t.device.type == "cuda"]  # CPU tensors are not the allocator's
+        peak = int(torch.cuda.max_memory_allocated(device)) - allocated_bytes(on_device)
         return Measurement(peak_bytes=peak, meter="cuda-allocator")
     meter = TimelineMeter() if timeline else LiveStorageMeter()
     for tensor, kind in preexisting:

@@ -114,12 +114,16 @@ def _keep_policy(keep: frozenset[tuple[str, int]]) -> Callable[[], Any]:
     """A fresh per-call context: counts ops per overload, keeps the scheduled ones."""
 
     def context_fn():
-        counters: dict[str, int] = defaultdict(int)
+        # Forward and recompute count apart: torch before 2.14 asks the policy again in the
+        # recompute, and one shared count would miss every kept op there (re-running it and
+        # holding both copies).
+        counters: dict[bool, dict[str, int]] = {False: defaultdict(int), True: defaultdict(int)}
 
         def policy(ctx, op, *args, **kwargs):
             name = str(op)
-            occurrence = counters[name]
-            counters[name] += 1
+            seen = counters[ctx.is_recompute]
+            occurrence = seen[name]
+            seen[name] += 1
             if (name, occurrence) in keep:
                 return CheckpointPolicy.MUST_SAVE
             return CheckpointPolicy.PREFER_RECOMPUTE

@@ -21,7 +21,7 @@ import torch
 
 from monet_cli.core.schedule import Schedule
 from monet_cli.errors import FingerprintError, MonetError
-from monet_cli.runtime.executor import apply_schedule
+from monet_cli.runtime.executor import apply_schedule, machinery
 from monet_cli.workload.step import Workload, build_workload, configure_cuda, run_checked
 
 CHECK_SEED = 1234
@@ -201,7 +201,8 @@ def run_apply(
     progress("measuring peak memory")
     base_peak = run_checked(lambda: baseline.measure_peak(CHECK_SEED + 1, timeline=timeline, beside=scheduled),
                             "baseline step")
-    sched_peak = run_checked(lambda: scheduled.measure_peak(CHECK_SEED + 1, timeline=timeline, beside=baseline),
+    sched_peak = run_checked(lambda: scheduled.measure_peak(CHECK_SEED + 1, timeline=timeline, beside=baseline,
+                                                            machinery=machinery(scheduled.model)),
                              "scheduled step")
     base_ms, sched_ms = [], []
     for i in range(steps):

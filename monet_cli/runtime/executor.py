@@ -33,6 +33,7 @@ from monet_cli.runtime.fingerprint import FirstForwardCheck, warn_if_untested_to
 from monet_cli.workload.step import make_out_of_place, turn_off_kv_cache
 
 _APPLIED = "_monet_schedule"
+_MACHINERY = "_monet_machinery"
 
 
 def apply_schedule(model: nn.Module, schedule: Schedule | str | Path, *, check_fingerprint: bool = True) -> nn.Module:
@@ -64,11 +65,17 @@ def apply_schedule(model: nn.Module, schedule: Schedule | str | Path, *, check_f
     if check_fingerprint:
         FirstForwardCheck(model, schedule.fingerprint, marker).install()
     setattr(model, _APPLIED, schedule)
+    setattr(model, _MACHINERY, marker)
     return model
 
 
 def applied_schedule(model: nn.Module) -> Schedule | None:
     return getattr(model, _APPLIED, None)
+
+
+def machinery(model: nn.Module) -> _MachineryMarker | None:
+    """The flag that is up while checkpoint's own bookkeeping runs in ``model``'s segments."""
+    return getattr(model, _MACHINERY, None)
 
 
 def existing_checkpointing(model: nn.Module) -> str | None:
@@ -100,7 +107,8 @@ def _refuse_on_training_forward(model: nn.Module, args: Any) -> None:
 
 
 class _MachineryMarker:
-    """True while checkpoint's own bookkeeping runs, so fingerprinting skips its ops."""
+    """True while checkpoint's own bookkeeping runs (not the model's forward inside it), so the
+    fingerprint check and the measured timeline skip its ops."""
 
     def __init__(self) -> None:
         self.depth = 0
@@ -144,7 +152,9 @@ def _wrap_forward(module: nn.Module, keep: frozenset[tuple[str, int]], marker: _
     guard_self = isinstance(module, nn.modules.batchnorm._BatchNorm)
 
     def run_original(*args: Any, **kwargs: Any) -> Any:
-        marker.depth -= 1
+        # The model's own ops: not machinery, whether checkpoint runs them in the forward
+        # (inside the segment's call) or in a recompute during backward (outside any call).
+        outside, marker.depth = marker.depth, 0
         try:
             if guard_self:
                 _bn_pre_hook(module, args)
@@ -154,7 +164,7 @@ def _wrap_forward(module: nn.Module, keep: frozenset[tuple[str, int]], marker: _
                 if guard_self:
                     _bn_post_hook(module, args, None)
         finally:
-            marker.depth += 1
+            marker.depth = outside
 
     @functools.wraps(original)
     def checkpointed(*args: Any, **kwargs: Any) -> Any:

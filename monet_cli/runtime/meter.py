@@ -19,6 +19,7 @@ import os
 import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -128,17 +129,22 @@ class LiveStorageMeter(TorchDispatchMode):
 
 
 class TimelineMeter(LiveStorageMeter):
-    """A live-storage meter that also keeps the live bytes after every op."""
+    """A live-storage meter that also keeps the live bytes after every op.
 
-    def __init__(self) -> None:
+    ``machinery`` (anything with an ``active`` flag) marks when checkpoint's own bookkeeping
+    runs: its ops (torch 2.11 makes an empty tensor per frame) get no point, so the timeline
+    is numbered like the profile's ops."""
+
+    def __init__(self, machinery: Any = None) -> None:
         super().__init__()
         self.timeline: list[int] = []
+        self.machinery = machinery
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         from monet_cli.runtime.fingerprint import IGNORED_OPS
 
         out = super().__torch_dispatch__(func, types, args, kwargs)
-        if str(func) not in IGNORED_OPS:  # numbered like the profile's ops
+        if str(func) not in IGNORED_OPS and not (self.machinery is not None and self.machinery.active):
             self.timeline.append(self.current_bytes)
         return out
 
@@ -182,6 +188,7 @@ def measure_step(
     preexisting: list[tuple[torch.Tensor, str]],
     foreign: Iterable[torch.Tensor] = (),
     timeline: bool = False,
+    machinery: Any = None,
 ) -> Measurement:
     """Run ``step`` once and return its peak memory with the device's meter.
 
@@ -197,7 +204,7 @@ def measure_step(
         on_device = [t for t in foreign if t.device.type == "cuda"]  # CPU tensors are not the allocator's
         peak = int(torch.cuda.max_memory_allocated(device)) - allocated_bytes(on_device)
         return Measurement(peak_bytes=peak, meter="cuda-allocator")
-    meter = TimelineMeter() if timeline else LiveStorageMeter()
+    meter = TimelineMeter(machinery) if timeline else LiveStorageMeter()
     for tensor, kind in preexisting:
         meter.track(tensor, kind=kind, producer=None)
     with meter:

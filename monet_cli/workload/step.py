@@ -274,16 +274,19 @@ class Workload:
         return (time.perf_counter() - start) * 1000.0
 
     def measure_peak(
-        self, seed: int | None = None, *, timeline: bool = False, beside: Workload | None = None
+        self, seed: int | None = None, *, timeline: bool = False, beside: Workload | None = None,
+        machinery: Any = None,
     ) -> Measurement:
         """One step (grads cleared first) under the device's memory meter; ``beside``: another
-        workload alive on the same device, whose tensors are not this step's memory."""
+        workload alive on the same device, whose tensors are not this step's memory;
+        ``machinery``: when checkpoint's bookkeeping runs (no timeline points)."""
         if seed is not None:
             torch.manual_seed(seed)
         self.zero_grad()
         pre = self.resident_tensors()
         foreign = [] if beside is None else [t for t, _ in beside.resident_tensors()]
-        return measure_step(self.step, device=self.device, preexisting=pre, foreign=foreign, timeline=timeline)
+        return measure_step(self.step, device=self.device, preexisting=pre, foreign=foreign, timeline=timeline,
+                            machinery=machinery)
 
     def resident_tensors(self) -> list[tuple[torch.Tensor, str]]:
         """Every tensor this workload keeps between steps (parameters, gradients, buffers,

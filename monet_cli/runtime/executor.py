@@ -122,8 +122,8 @@ def _keep_policy(keep: frozenset[tuple[str, int]]) -> Callable[[], Any]:
     """A fresh per-call context: counts ops per overload, keeps the scheduled ones."""
 
     def context_fn():
-        # Forward and recompute count apart: torch before 2.14 asks the policy again in the
-        # recompute, and one shared count would miss every kept op there (re-running it and
+        # Forward and recompute count apart: torch 2.11 asks the policy again in the
+        # recompute (2.14 does not), and one shared count would miss every kept op there (re-running it and
         # holding both copies).
         counters: dict[bool, dict[str, int]] = {False: defaultdict(int), True: defaultdict(int)}
 

@@ -122,9 +122,9 @@ def _keep_policy(keep: frozenset[tuple[str, int]]) -> Callable[[], Any]:
     """A fresh per-call context: counts ops per overload, keeps the scheduled ones."""
 
     def context_fn():
-        # Forward and recompute count apart: torch 2.11 asks the policy again in the
-        # recompute (2.14 does not), and one shared count would miss every kept op there (re-running it and
-        # holding both copies).
+        # Forward and recompute count apart: torch 2.11 asks the policy again in the recompute
+        # (2.14 does not), and one shared count would miss every kept op there (re-running it
+        # and holding both copies).
         counters: dict[bool, dict[str, int]] = {False: defaultdict(int), True: defaultdict(int)}
 
         def policy(ctx, op, *args, **kwargs):

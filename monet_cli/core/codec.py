@@ -105,10 +105,11 @@ class _Reader:
             kinds.update(dict.fromkeys(get_args(hint), option))
         if not isinstance(data, dict) or "kind" not in data:
             return None
-        if data["kind"] not in kinds:
+        kind = data["kind"]
+        if not isinstance(kind, str) or kind not in kinds:
             known = ", ".join(map(str, kinds))
-            raise self.fail(_join(path, "kind"), f"unknown kind {data['kind']!r} (known: {known}; written by a newer monet?)")
-        return kinds[data["kind"]]
+            raise self.fail(_join(path, "kind"), f"unknown kind {_short(kind)} (known: {known}; written by a newer monet?)")
+        return kinds[kind]
 
     def _read_scalar(self, tp: Any, data: Any, path: str) -> Any:
         name = getattr(tp, "__name__", str(tp))

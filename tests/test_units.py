@@ -220,3 +220,17 @@ def test_core_imports_no_torch_typer_or_rich():
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_a_torch_below_the_tested_floor_is_run_with_a_warning(monkeypatch):
+    import warnings
+
+    from monet_cli.runtime import fingerprint
+
+    monkeypatch.setattr(fingerprint, "torch_version", lambda: "2.9.1")
+    with pytest.warns(UserWarning, match="torch 2.9.1 is older than 2.11"):
+        fingerprint.warn_if_untested_torch()
+    monkeypatch.setattr(fingerprint, "torch_version", lambda: "2.11.0")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fingerprint.warn_if_untested_torch()

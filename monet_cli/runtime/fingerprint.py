@@ -51,8 +51,8 @@ def warn_if_untested_torch() -> None:
     found = tuple(int(part) for part in torch_version().split(".")[:2] if part.isdigit())
     if found < OLDEST_TESTED_TORCH:
         oldest = ".".join(map(str, OLDEST_TESTED_TORCH))
-        warnings.warn(f"monet: torch {torch_version()} is older than {oldest}, the oldest torch monet is tested on; "
-                      "recomputed segments may hold more memory than predicted", stacklevel=2)
+        warnings.warn(f"monet: torch {torch_version()} is older than {oldest}, the oldest torch monet is tested on: "
+                      "its memory and gradient promises are unverified here", stacklevel=2)
 
 
 class OpSequence(TorchDispatchMode):

@@ -22,7 +22,7 @@ from torch.utils._pytree import tree_flatten
 
 from monet_cli.core.profile import LOSS_MODULE
 from monet_cli.runtime.fingerprint import IGNORED_OPS, signature
-from monet_cli.runtime.meter import LiveStorageMeter, preexisting_tensors, storage_key
+from monet_cli.runtime.meter import LiveStorageMeter, storage_key
 from monet_cli.workload.step import Workload, loss_scope
 
 
@@ -258,7 +258,7 @@ class StepRecorder(LiveStorageMeter):
         """Run one step (grads cleared first) and record it."""
         w = self.workload
         w.zero_grad()
-        for tensor, kind in preexisting_tensors(w.model, w.optimizer, w.data_tensors()):
+        for tensor, kind in w.resident_tensors():
             self.track(tensor, kind=kind, producer=None)
         self._record_untracked()
         handles = [
@@ -349,7 +349,7 @@ class LifetimeRecorder(LiveStorageMeter):
         return out
 
     def record_forward(self, workload: Workload) -> None:
-        for tensor, kind in preexisting_tensors(workload.model, workload.optimizer, workload.data_tensors()):
+        for tensor, kind in workload.resident_tensors():
             self.track(tensor, kind=kind, producer=None)
         with torch.autograd.graph.saved_tensors_hooks(lambda t: None, _never_unpacked), self:
             loss = workload.forward_loss()

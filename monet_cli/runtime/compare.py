@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from monet_cli.core.schedule import Schedule
-from monet_cli.errors import FingerprintError, MonetError
+from monet_cli.errors import FingerprintError, ModelError
 from monet_cli.runtime.executor import apply_schedule, machinery
 from monet_cli.workload.step import Workload, build_workload, configure_cuda, run_checked
 
@@ -125,7 +125,7 @@ def compare(baseline: dict, scheduled: dict, *, mode: str = "exact", rtol: float
                        max_grad_diff=grad_diff, mode=mode, rtol=rtol, atol=atol, nondeterministic=nondeterministic)
 
 
-class NoDeterministicKernel(MonetError):
+class NoDeterministicKernel(ModelError):
     """An op of the model has no deterministic implementation on this device (caught below;
     a ``MonetError`` so that ``run_checked`` passes it through)."""
 
@@ -141,7 +141,10 @@ def deterministic_algorithms():
         torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
 
 
-def _deterministic_first_step(workload: Workload, what: str) -> dict[str, dict[str, torch.Tensor]]:
+def _run_first_step(workload: Workload, what: str) -> dict[str, dict[str, torch.Tensor]]:
+    """``_first_step`` as user-model code; under deterministic algorithms, an op without a
+    deterministic kernel raises ``NoDeterministicKernel``."""
+
     def step() -> dict[str, dict[str, torch.Tensor]]:
         try:
             return _first_step(workload)
@@ -168,8 +171,8 @@ def _checked_first_steps(schedule: Schedule, device: torch.device) -> tuple[Work
     baseline, scheduled = _build_pair(schedule, device)
     try:
         with deterministic_algorithms():
-            first_base = _deterministic_first_step(baseline, "baseline step")
-            first_sched = _deterministic_first_step(scheduled, "scheduled step")
+            first_base = _run_first_step(baseline, "baseline step")
+            first_sched = _run_first_step(scheduled, "scheduled step")
         return baseline, scheduled, compare(first_base, first_sched)
     except NoDeterministicKernel as err:
         reason = str(err)
@@ -179,8 +182,8 @@ def _checked_first_steps(schedule: Schedule, device: torch.device) -> tuple[Work
         reason = "deterministic algorithms select other kernels for this model"
     del baseline, scheduled
     baseline, scheduled = _build_pair(schedule, device)
-    first_base = run_checked(lambda: _first_step(baseline), "baseline step")
-    first_sched = run_checked(lambda: _first_step(scheduled), "scheduled step")
+    first_base = _run_first_step(baseline, "baseline step")
+    first_sched = _run_first_step(scheduled, "scheduled step")
     rtol, atol = TOLERANCES[schedule.model.precision]
     return baseline, scheduled, compare(first_base, first_sched, mode="tolerance", rtol=rtol, atol=atol,
                                         nondeterministic=reason)
@@ -196,7 +199,7 @@ def run_apply(
         baseline, scheduled, result = _checked_first_steps(schedule, device)
     else:
         baseline, scheduled = _build_pair(schedule, device)
-        run_checked(lambda: _first_step(scheduled), "scheduled step")
+        _run_first_step(scheduled, "scheduled step")
         result = None
     progress("measuring peak memory")
     base_peak = run_checked(lambda: baseline.measure_peak(CHECK_SEED + 1, timeline=timeline, beside=scheduled),

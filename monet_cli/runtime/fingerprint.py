@@ -32,7 +32,7 @@ def signature(tensors: list[torch.Tensor]) -> str:
 def model_modules_hash(model: nn.Module) -> str:
     def own_tensors(module: nn.Module) -> str:
         named = (*module.named_parameters(recurse=False), *module.named_buffers(recurse=False))
-        return ",".join(f"{name}:{tuple(t.shape)}:{str(t.dtype).removeprefix('torch.')}" for name, t in named)
+        return ",".join(f"{name}:{signature([t])}" for name, t in named)
 
     return modules_hash((path, type(m).__name__, own_tensors(m)) for path, m in model.named_modules())
 
@@ -263,4 +263,3 @@ def fake_cuda_fingerprint(model: nn.Module, args: tuple, kwargs: dict, precision
             torch.set_autocast_dtype("cuda", old_dtype)
             torch.clear_autocast_cache()
     return sequence.fingerprint("cuda", precision)
-

@@ -40,9 +40,9 @@ def find_profile(schedule: Schedule, explicit: Path | None) -> tuple[Profile, Pa
     return None
 
 
-def top_holders(profile: Profile, plan: Plan) -> list[dict[str, Any]]:
+def top_holders(model: SegmentModel, plan: Plan) -> list[dict[str, Any]]:
     """Largest owners of memory at the simulated peak, grouped by module and kind."""
-    model = SegmentModel(profile)
+    profile = model.profile
     groups: dict[tuple[str, str], int] = {}
     for sid, copy, nbytes in live_at_peak(model, plan):
         storage = profile.storages[sid] if sid != WORKSPACE else None
@@ -71,7 +71,7 @@ def profile_report(profile: Profile, path: Path) -> dict[str, Any]:
         # Calls that run no ops would never be worth a segment: listing them is noise.
         "not_checkpointable": [{"module": c.fqn or "<model>", "reason": c.reason} for c in profile.calls
                                if c.reason and c.end_op > c.first_op],
-        "top_memory_at_peak": top_holders(profile, {}),
+        "top_memory_at_peak": top_holders(SegmentModel(profile), {}),
         "slowest_ops": [{"index": op.index, "op": op.op, "module": op.module or LOSS_MODULE, "time_ms": op.time_ms}
                         for op in slow],
     }
@@ -79,7 +79,8 @@ def profile_report(profile: Profile, path: Path) -> dict[str, Any]:
 
 def schedule_report(schedule: Schedule, path: Path, profile: Profile | None) -> dict[str, Any]:
     nested_in = schedule.nested_in()
-    saved = _saved_ops(schedule, profile)
+    model = None if profile is None else SegmentModel(profile)
+    saved = _saved_ops(schedule, model)
     segments = [
         {"module": s.module, "nested_in": nested_in.get(s.module), "ops": s.end_op - s.first_op,
          "recompute_ms": s.recompute_ms,
@@ -95,17 +96,16 @@ def schedule_report(schedule: Schedule, path: Path, profile: Profile | None) -> 
         "top_memory_at_peak": None,
     }
     if profile is not None:
-        report["top_memory_at_peak"] = top_holders(profile, plan_of(schedule))
+        report["top_memory_at_peak"] = top_holders(model, plan_of(schedule))
     return report
 
 
-def _saved_ops(schedule: Schedule, profile: Profile | None) -> dict[int, frozenset[int]] | None:
+def _saved_ops(schedule: Schedule, model: SegmentModel | None) -> dict[int, frozenset[int]] | None:
     """Per segment, the ops whose outputs autograd saves inside it (kept or recomputed); the
     schedule lists only what it keeps, so this needs the profile."""
-    if profile is None:
+    if model is None:
         return None
-    segments = SegmentModel(profile).segments
-    return {s.call: frozenset(segments[s.call].candidates) for s in schedule.segments}
+    return {s.call: frozenset(model.segments[s.call].candidates) for s in schedule.segments}
 
 
 def timeline(target: Profile | Schedule, profile: Profile | None, out: Path) -> None:

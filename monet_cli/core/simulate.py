@@ -195,7 +195,7 @@ class _Events:
                 holds[sid] = max(holds.get(sid, end), end)
         return holds
 
-    def span(self, alloc: Key, free: Key, nbytes: int, storage: int = -1, recomputed: bool = False) -> None:
+    def span(self, alloc: Key, free: Key, nbytes: int, storage: int, recomputed: bool = False) -> None:
         self.items.append((alloc, nbytes))
         self.items.append((free, -nbytes))
         self.owners += [(storage, recomputed), (storage, recomputed)]

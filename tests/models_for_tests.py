@@ -216,3 +216,14 @@ class _Scatter(nn.Module):
 
 def put_mlp(width: int = 16, num_classes: int = 5) -> nn.Module:
     return nn.Sequential(nn.Linear(width, width), _Scatter(width), _Scatter(width), nn.Linear(width, num_classes))
+
+
+def bn_chain_net(width: int = 8, num_classes: int = 5) -> nn.Module:
+    """Conv-BN-ReLU and Conv-BN-ReLU6 feeding convolutions (two variant sites), then a head
+    whose BatchNorm feeds a pooling instead (no site): input [N, 3, H, W]."""
+    return nn.Sequential(
+        nn.Conv2d(3, width, 3, padding=1, bias=False), nn.BatchNorm2d(width), nn.ReLU(inplace=True),
+        nn.Conv2d(width, width, 3, padding=1), nn.BatchNorm2d(width), nn.ReLU6(inplace=True),
+        nn.Conv2d(width, width, 1, bias=False), nn.BatchNorm2d(width), nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(width, num_classes),
+    )

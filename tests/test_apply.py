@@ -39,12 +39,13 @@ def workload_profile(request):
     return request.param, profile_model(spec, CPU, steps=1)
 
 
-def _plans(profile) -> dict[str, dict]:
+def _plans(profile) -> dict[str, tuple[dict, frozenset[int]]]:
+    """Plans with the operator variants chosen beside them."""
     model = SegmentModel(profile)
     levels = level_plans(model)
     # every segment at its level, all recompute; the level with the most segments
     finest = max(levels.values(), key=len)
-    plans = {"none": {}, "all-recompute": finest}
+    plans = {"none": ({}, frozenset()), "all-recompute": (finest, frozenset())}
     planner = Planner(model)
     floor = planner.minimum_peak(time_limit_s=5, workers=1, seed=0).peak_bytes
     base = profile.baseline.peak_bytes
@@ -52,18 +53,18 @@ def _plans(profile) -> dict[str, dict]:
         budget = floor + int((base - floor) * frac)
         outcome = planner.solve(budget, time_limit_s=10, workers=1, seed=0)
         assert outcome.plan is not None and outcome.result.peak_bytes <= budget
-        plans[f"solver-{frac}"] = outcome.plan
+        plans[f"solver-{frac}"] = (outcome.plan, outcome.variants)
     return plans
 
 
 def test_simulator_matches_measured_peak_and_grads(workload_profile):
     name, profile = workload_profile
     model = SegmentModel(profile)
-    for label, plan in _plans(profile).items():
+    for label, (plan, variants) in _plans(profile).items():
         schedule = build_schedule(profile, plan, budget_bytes=profile.baseline.peak_bytes * 2, budget_spec="2x",
-                                  solver=INFO, profile_sha256="", model=model)
+                                  solver=INFO, profile_sha256="", model=model, variants=variants)
         report = run_apply(schedule, CPU, steps=1, check=True)
-        predicted = simulate(profile, plan, model=model).peak_bytes
+        predicted = simulate(profile, plan, model=model, variants=variants).peak_bytes
         error = abs(predicted - report.measured_peak_bytes) / report.measured_peak_bytes
         assert error <= 0.02, f"{name}/{label}: predicted {predicted}, measured {report.measured_peak_bytes}"
         assert report.check is not None

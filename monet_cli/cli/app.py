@@ -145,6 +145,11 @@ def solve(
         typer.Option(help="Solve a range of budgets START:STOP:STEP, e.g. 90%:40%:10% or 16G:4G:2G; one schedule each."),
     ] = None,
     plot: Annotated[Optional[Path], typer.Option(help="With --sweep: draw overhead vs memory (.png/.svg).")] = None,
+    variants: Annotated[
+        bool,
+        typer.Option(help="Let the solver choose operator variants (output-keeping BatchNorm; gradients within a "
+                          "stated tolerance). --no-variants: checkpointing only, bit-exact gradients."),
+    ] = True,
     json_output: Annotated[bool, typer.Option("--json", help="Print a JSON summary on stdout.")] = False,
 ) -> None:
     from monet_cli.cli import solve_cmd
@@ -159,7 +164,7 @@ def solve(
             raise UsageError("--output names one file; with --sweep schedules go to schedules/NAME-BUDGET.yaml")
         args = solve_cmd.SolveArgs(
             profile=profile, budget=budget, output=output, time_limit=time_limit, workers=workers,
-            seed=seed, json_output=json_output,
+            seed=seed, json_output=json_output, variants=variants,
         )
         if sweep:
             solve_cmd.run_sweep(args, sweep, plot)

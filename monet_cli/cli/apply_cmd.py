@@ -41,7 +41,8 @@ def check_json(check) -> dict[str, Any]:
     """How gradients were compared: ``exact`` bits under deterministic algorithms, or within
     ``rtol``/``atol`` because of ``nondeterministic``."""
     return {"mode": check.mode, "rtol": check.rtol, "atol": check.atol, "nondeterministic": check.nondeterministic,
-            "max_grad_diff": check.max_grad_diff, "params_match": check.params_match,
+            "max_grad_diff": check.max_grad_diff, "max_relative_diff": check.max_relative_diff,
+            "variants": list(check.variants), "params_match": check.params_match,
             "buffers_match": check.buffers_match}
 
 
@@ -109,7 +110,7 @@ def write_measured_timeline(path: Path, schedule, report, profile_path: Path | N
     from monet_cli.cli.inspect_cmd import find_profile
     from monet_cli.cli.render import stderr
     from monet_cli.cli.timeline import Series, write_timeline
-    from monet_cli.core.plan import plan_of
+    from monet_cli.core.plan import plan_of, variants_of
     from monet_cli.core.segments import SegmentModel
     from monet_cli.core.solver.linear import live_series
 
@@ -118,7 +119,8 @@ def write_measured_timeline(path: Path, schedule, report, profile_path: Path | N
     found = find_profile(schedule, profile_path)
     if found is not None:
         series.append(Series(label=f"schedule {schedule.budget_spec} (predicted)",
-                             values=live_series(SegmentModel(found[0]), plan_of(schedule))))
+                             values=live_series(SegmentModel(found[0]), plan_of(schedule),
+                                                variants_of(schedule, found[0]))))
     else:
         stderr.print("note: the schedule's profile is not in configs/ (or --profile): no predicted line")
     write_timeline(path, f"{schedule.model.name}: live memory over one step", series, schedule.budget_bytes)

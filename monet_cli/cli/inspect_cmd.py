@@ -6,11 +6,11 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from monet_cli.core.plan import plan_of
+from monet_cli.core.plan import plan_of, variants_of
 from monet_cli.core.profile import LOSS_MODULE, PROFILE_KIND, Profile, profile_from_data
 from monet_cli.core.schedule import SCHEDULE_KIND, Schedule, file_sha256, schedule_from_data
 from monet_cli.core.segments import SegmentModel
-from monet_cli.core.simulate import WORKSPACE, Plan, live_at_peak, simulate
+from monet_cli.core.simulate import WORKSPACE, Plan, Variants, live_at_peak, simulate
 from monet_cli.core.solver.linear import live_series
 from monet_cli.core.yamlio import load_yaml_file
 from monet_cli.errors import FileFormatError, UsageError
@@ -40,11 +40,11 @@ def find_profile(schedule: Schedule, explicit: Path | None) -> tuple[Profile, Pa
     return None
 
 
-def top_holders(model: SegmentModel, plan: Plan) -> list[dict[str, Any]]:
+def top_holders(model: SegmentModel, plan: Plan, variants: Variants = frozenset()) -> list[dict[str, Any]]:
     """Largest owners of memory at the simulated peak, grouped by module and kind."""
-    profile = model.profile
+    profile = model.with_variants(frozenset(variants)).profile
     groups: dict[tuple[str, str], int] = {}
-    for sid, copy, nbytes in live_at_peak(model, plan):
+    for sid, copy, nbytes in live_at_peak(model, plan, variants):
         storage = profile.storages[sid] if sid != WORKSPACE else None
         if storage is None:
             kind, where = "workspace", "-"
@@ -74,6 +74,16 @@ def profile_report(profile: Profile, path: Path) -> dict[str, Any]:
         "top_memory_at_peak": top_holders(SegmentModel(profile), {}),
         "slowest_ops": [{"index": op.index, "op": op.op, "module": op.module or LOSS_MODULE, "time_ms": op.time_ms}
                         for op in slow],
+        "variant_sites": [_variant_row(v, v) for v in profile.variants],
+    }
+
+
+def _variant_row(site: Any, measured: Any | None) -> dict[str, Any]:
+    """One operator variant: where it runs and, from the profile's measurement, what it saves."""
+    return {
+        "impl": site.impl, "bn": site.bn_module, "activation": site.activation_module, "convs": list(site.conv_modules),
+        "saves_bytes": None if measured is None else measured.native_saved_bytes - measured.saved_bytes,
+        "time_ms": site.time_ms,
     }
 
 
@@ -81,6 +91,7 @@ def schedule_report(schedule: Schedule, path: Path, profile: Profile | None) -> 
     nested_in = schedule.nested_in()
     model = None if profile is None else SegmentModel(profile)
     saved = _saved_ops(schedule, model)
+    measured = {} if profile is None else {v.bn: v for v in profile.variants}
     segments = [
         {"module": s.module, "nested_in": nested_in.get(s.module), "ops": s.end_op - s.first_op,
          "recompute_ms": s.recompute_ms,
@@ -93,10 +104,12 @@ def schedule_report(schedule: Schedule, path: Path, profile: Profile | None) -> 
         "device_type": schedule.fingerprint.device_type, "env": asdict(schedule.env),
         "budget_bytes": schedule.budget_bytes, "budget_spec": schedule.budget_spec,
         "predicted": asdict(schedule.predicted), "solver": asdict(schedule.solver), "segments": segments,
+        "variants": [_variant_row(v, measured.get(v.bn)) for v in schedule.variants],
+        "tolerance": schedule.tolerance(),
         "top_memory_at_peak": None,
     }
     if profile is not None:
-        report["top_memory_at_peak"] = top_holders(model, plan_of(schedule))
+        report["top_memory_at_peak"] = top_holders(model, plan_of(schedule), variants_of(schedule, profile))
     return report
 
 
@@ -122,7 +135,8 @@ def timeline(target: Profile | Schedule, profile: Profile | None, out: Path) -> 
     plan = plan_of(target)
     series = [
         Series(label="no checkpointing (predicted)", values=live_series(model, {})),
-        Series(label=f"schedule {target.budget_spec} (predicted)", values=live_series(model, plan)),
+        Series(label=f"schedule {target.budget_spec} (predicted)",
+               values=live_series(model, plan, variants_of(target, profile))),
     ]
     write_timeline(out, f"{target.model.name}: live memory over one step", series, target.budget_bytes)
 
@@ -130,6 +144,6 @@ def timeline(target: Profile | Schedule, profile: Profile | None, out: Path) -> 
 def check_schedule_matches(schedule: Schedule, profile: Profile) -> None:
     if profile.fingerprint != schedule.fingerprint:
         raise UsageError("--profile: that profile was made for another model or shape than the schedule")
-    result = simulate(profile, plan_of(schedule))
+    result = simulate(profile, plan_of(schedule), variants=variants_of(schedule, profile))
     if result.peak_bytes != schedule.predicted.peak_bytes:
         raise UsageError("--profile: that profile does not reproduce the schedule's predicted peak (another run)")

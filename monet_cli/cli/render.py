@@ -118,6 +118,7 @@ def schedule_table(schedule: Schedule, path: str) -> Table:
         ("predicted peak", f"{format_bytes(pred.peak_bytes)}  (baseline {format_bytes(pred.baseline_peak_bytes)})"),
         ("predicted step", f"{pred.step_ms:.1f} ms  (baseline {pred.baseline_step_ms:.1f} ms, overhead {100 * pred.overhead:+.1f}%)"),
         ("segments", f"{len(schedule.segments)} checkpointed, {kept} op outputs kept"),
+        ("variants", _variants_line(schedule)),
         ("solver", f"{solver.method}: {solver.status}"),
         ("objective / bound", "-" if solver.objective is None else f"{solver.objective:.3f} / {solver.bound:.3f} ms recompute"),
         ("gap", _gap(solver.gap)),
@@ -127,6 +128,14 @@ def schedule_table(schedule: Schedule, path: str) -> Table:
     for name, value in rows:
         table.add_row(name, value)
     return table
+
+
+def _variants_line(schedule: Schedule) -> str:
+    tolerance = schedule.tolerance()
+    if tolerance is None:
+        return "none (gradients bit-exact)"
+    return (f"{len(schedule.variants)} output-keeping BatchNorms (gradients within rtol {tolerance[0]:g}, "
+            f"atol {tolerance[1]:g} x the largest gradient)")
 
 
 def print_pairs(title: str, data: dict[str, Any]) -> None:
@@ -170,6 +179,17 @@ def inspect_tables(report: dict[str, Any]) -> None:
             seg.add_row(s["module"], s["nested_in"] or "-", str(s["ops"]), ", ".join(s["kept"]) or "-",
                         "-" if s["recomputed"] is None else str(s["recomputed"]), f"{s['recompute_ms']:.2f}")
         console.print(seg)
+    variants = report.get("variants") or report.get("variant_sites")
+    if variants:
+        title = "operator variants (output-keeping BatchNorm)" + (
+            "" if report["kind"] == "monet.schedule" else ": where the solver may choose one")
+        table = Table(title=title, title_justify="left")
+        for column in ("BatchNorm", "activation", "convolutions", "saves", "time"):
+            table.add_column(column)
+        for v in variants:
+            saves = "-" if v["saves_bytes"] is None else format_bytes(v["saves_bytes"])
+            table.add_row(v["bn"], v["activation"], ", ".join(v["convs"]), saves, f"{v['time_ms']:+.2f} ms")
+        console.print(table)
     if report.get("not_checkpointable"):
         blocked = Table(title="module calls monet will not checkpoint", title_justify="left")
         blocked.add_column("module")

@@ -27,6 +27,7 @@ class SolveArgs:
     workers: int | None
     seed: int
     json_output: bool
+    variants: bool = True
 
 
 def newest(pattern: str, what: str) -> Path:
@@ -52,10 +53,10 @@ def schedule_name(profile_path: Path, budget_spec: str) -> str:
 
 def solve_profile(
     profile: Profile, profile_path: Path, budget_spec: str, *, time_limit: float, workers: int, seed: int,
-    report=lambda message: None,
+    variants: bool = True, report=lambda message: None,
 ) -> tuple[Schedule, SolveOutcome]:
     budget = parse_budget(budget_spec, baseline_peak_bytes=profile.baseline.peak_bytes)
-    planner = Planner(SegmentModel(profile))
+    planner = Planner(SegmentModel(profile), variants=variants)
     schedule, outcome = solve_schedule(planner, budget, budget_spec, time_limit_s=time_limit, workers=workers,
                                        seed=seed, profile_sha256=file_sha256(profile_path), report=report)
     if schedule is None:
@@ -106,6 +107,8 @@ def summary(schedule: Schedule, path: Path) -> dict[str, Any]:
         "overhead": schedule.predicted.overhead,
         "segments": len(schedule.segments),
         "kept_ops": len(schedule.keeps),
+        "variants": len(schedule.variants),
+        "tolerance": schedule.tolerance(),
         "status": schedule.solver.status,
         "method": schedule.solver.method,
         "objective_ms": schedule.solver.objective,
@@ -138,7 +141,7 @@ def run(args: SolveArgs) -> None:
     with stderr.status("solving ...") as status:
         schedule, _ = solve_profile(
             profile, profile_path, args.budget, time_limit=args.time_limit, workers=workers, seed=args.seed,
-            report=lambda message: _show(status, message),
+            variants=args.variants, report=lambda message: _show(status, message),
         )
     save_schedule(schedule, output)
     if args.json_output:
@@ -185,7 +188,7 @@ def run_sweep(args: SolveArgs, sweep: str, plot: Path | None) -> None:
 
     profile_path, profile, workers = _inputs(args)
     budgets = sweep_budgets(sweep, profile.baseline.peak_bytes)
-    planner = Planner(SegmentModel(profile))
+    planner = Planner(SegmentModel(profile), variants=args.variants)
     rows, hint = [], None
     with stderr.status("solving ...") as status:
         for spec in budgets:

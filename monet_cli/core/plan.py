@@ -16,15 +16,18 @@ from monet_cli.core.schedule import (
     Schedule,
     SegmentDecision,
     SolverInfo,
+    VariantDecision,
     with_content_hash,
 )
 from monet_cli.core.segments import SegmentModel
-from monet_cli.core.simulate import Plan, SimResult, simulate
+from monet_cli.core.simulate import Plan, SimResult, Variants, simulate
 from monet_cli.core.solver.search import Planner, SolveOutcome, solver_info
+from monet_cli.core.variants import TOLERANCE
 
 
-def decisions_of(model: SegmentModel, plan: Plan) -> tuple[Decision, ...]:
-    """The plan as schedule decisions, in forward order: each segment, then the ops it keeps."""
+def decisions_of(model: SegmentModel, plan: Plan, variants: Variants = frozenset()) -> tuple[Decision, ...]:
+    """The plan as schedule decisions, in forward order: each segment, then the ops it keeps;
+    then the operator variants, in forward order."""
     ops = model.profile.ops
     frames = model.frames(plan)
     decisions: list[Decision] = []
@@ -37,11 +40,26 @@ def decisions_of(model: SegmentModel, plan: Plan) -> tuple[Decision, ...]:
         ))
         decisions += [KeepDecision(segment=seg.fqn, index=i, op=ops[i].op, occurrence=model.occurrence(call, i))
                       for i in sorted(plan[call])]
+    for index in sorted(variants):
+        record = model.profile.variants[index]
+        rtol, atol = TOLERANCE[record.impl]
+        site = {name: getattr(record, name) for name in VariantDecision.__dataclass_fields__
+                if name not in ("kind", "time_ms", "rtol", "atol")}
+        decisions.append(VariantDecision(**site, time_ms=record.time_ms, rtol=rtol, atol=atol))
     return tuple(decisions)
 
 
 def plan_of(schedule: Schedule) -> Plan:
     return schedule.kept()
+
+
+def variants_of(schedule: Schedule, profile: Profile) -> Variants:
+    """The schedule's variants as indices into ``profile.variants`` (matched by BatchNorm op)."""
+    index_of = {record.bn: i for i, record in enumerate(profile.variants)}
+    missing = [v.bn_module for v in schedule.variants if v.bn not in index_of]
+    if missing:
+        raise ValueError(f"the profile offers no variant at '{missing[0]}', which the schedule runs")
+    return frozenset(index_of[v.bn] for v in schedule.variants)
 
 
 def predicted(profile: Profile, result: SimResult) -> Predicted:
@@ -66,9 +84,10 @@ def build_schedule(
     profile_sha256: str,
     model: SegmentModel | None = None,
     created_at: str | None = None,
+    variants: Variants = frozenset(),
 ) -> Schedule:
     model = model or SegmentModel(profile)
-    result = simulate(profile, plan, model=model)
+    result = simulate(profile, plan, model=model, variants=variants)
     return with_content_hash(Schedule(
         schema_version=SCHEMA_VERSION,
         kind=SCHEDULE_KIND,
@@ -83,7 +102,7 @@ def build_schedule(
         executor=EXECUTOR,
         created_at=created_at if created_at is not None else _now(),
         content_sha256="",
-        decisions=decisions_of(model, plan),
+        decisions=decisions_of(model, plan, variants),
     ))
 
 
@@ -112,7 +131,7 @@ def solve_schedule(
         return None, outcome
     schedule = build_schedule(
         planner.model.profile, outcome.plan, budget_bytes=budget_bytes, budget_spec=budget_spec,
-        model=planner.model, profile_sha256=profile_sha256,
+        model=planner.model, profile_sha256=profile_sha256, variants=outcome.variants,
         solver=solver_info(outcome, workers=workers, seed=seed, time_limit_s=time_limit_s),
     )
     if schedule.predicted.peak_bytes > budget_bytes:  # the simulator is the judge; never return a plan over budget

@@ -221,6 +221,38 @@ class BackwardOp:
     """As ``OpRecord.workspace_bytes``."""
 
 
+@flow_row
+@dataclass(frozen=True, kw_only=True, slots=True)
+class VariantSite:
+    impl: Literal["bn_output"] = "bn_output"
+    bn: int
+    """Forward op index of the BatchNorm."""
+    activation: int
+    convs: tuple[int, ...]
+    bn_module: str
+    activation_module: str
+    conv_modules: tuple[str, ...]
+
+    def roles(self) -> list[tuple[str, str]]:
+        """(role, module path) of every module the variant runs in."""
+        return [("bn", self.bn_module), ("activation", self.activation_module)] + [
+            ("conv", path) for path in self.conv_modules]
+
+
+@flow_row
+@dataclass(frozen=True, kw_only=True, slots=True)
+class VariantRecord(VariantSite):
+    """A site as ``monet profile`` measured it."""
+
+    time_ms: float
+    """The variant's forward and backward minus the unmodified modules', same inputs, interleaved
+    medians (may be below zero: inside the timing noise)."""
+    saved_bytes: int
+    """Bytes of activations the variant's nodes keep for backward, measured with saved-tensor hooks."""
+    native_saved_bytes: int
+    """The same for the unmodified modules."""
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Profile:
     schema_version: int
@@ -238,6 +270,8 @@ class Profile:
     calls: tuple[ModuleCall, ...]
     storages: tuple[StorageRecord, ...]
     packs: tuple[PackRecord, ...]
+    variants: tuple[VariantRecord, ...] = ()
+    """Where an operator variant applies, as measured (``monet_cli/core/variants.py``)."""
 
     def __post_init__(self) -> None:
         for i, op in enumerate(self.ops):

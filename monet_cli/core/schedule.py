@@ -7,9 +7,11 @@ Schema 2 lists one decision per line, each with its ``kind``:
   recomputed in backward), with the time that costs;
 - ``keep``: inside a segment, an op whose output is kept from the forward instead. It names
   the op by its aten overload and its occurrence among ops of that overload inside the
-  segment: the key selective activation checkpointing uses.
+  segment: the key selective activation checkpointing uses;
+- ``variant``: an operator variant outside every segment (``monet_cli/core/variants.py``):
+  the modules it runs in, its measured time and the tolerance its gradients are held to.
 
-A new kind of decision (an operator variant, an offload) is one more record type here.
+A new kind of decision (an offload) is one more record type here.
 Schema 1 files (segments holding keep/recompute lists) are read and migrated.
 """
 
@@ -22,7 +24,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from monet_cli.core.codec import flow_row, from_data, to_data
-from monet_cli.core.profile import EnvInfo, Fingerprint, ModelSpec, check_header
+from monet_cli.core.profile import EnvInfo, Fingerprint, ModelSpec, VariantSite, check_header
 from monet_cli.core.yamlio import atomic_write_text, dump_yaml, load_yaml_file
 from monet_cli.errors import FileFormatError
 
@@ -60,7 +62,18 @@ class KeepDecision:
     """How many ops of the same overload ran before it inside the segment."""
 
 
-Decision = SegmentDecision | KeepDecision
+@flow_row
+@dataclass(frozen=True, kw_only=True, slots=True)
+class VariantDecision(VariantSite):
+    kind: Literal["variant"] = "variant"
+    time_ms: float
+    """Measured time the variant adds to the step (forward and backward)."""
+    rtol: float
+    atol: float
+    """The tolerance its gradients are checked within: the variant is not bit-exact."""
+
+
+Decision = SegmentDecision | KeepDecision | VariantDecision
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -126,6 +139,16 @@ class Schedule(_Header):
             kept[keep.segment].add(keep.index)
         return {s.call: frozenset(kept[s.module]) for s in self.segments}
 
+    @property
+    def variants(self) -> tuple[VariantDecision, ...]:
+        return tuple(d for d in self.decisions if isinstance(d, VariantDecision))
+
+    def tolerance(self) -> tuple[float, float] | None:
+        """(rtol, atol) the gradients are held to: the loosest of its variants', None when exact."""
+        if not self.variants:
+            return None
+        return max(v.rtol for v in self.variants), max(v.atol for v in self.variants)
+
     def kept_in(self, segment: str) -> tuple[KeepDecision, ...]:
         return tuple(k for k in self.keeps if k.segment == segment)
 
@@ -169,13 +192,15 @@ def consistency_problem(schedule: Schedule) -> str | None:
             return f"decisions: keep of op {k.index} names '{k.segment}', which is no segment"
         if not segment.first_op <= k.index < segment.end_op:
             return f"decisions: keep of op {k.index} is outside segment '{k.segment}' ({segment.first_op}..{segment.end_op - 1})"
-    problem = _nesting_problem(schedule)
+    problem = _nesting_problem(schedule) or _variant_problem(schedule)
     if problem:
         return problem
     pred = schedule.predicted
     expected_ms = pred.baseline_step_ms + sum(s.recompute_ms + s.overhead_ms for s in schedule.segments)
-    if abs(expected_ms - pred.step_ms) > 1e-3 * (1 + len(schedule.segments)):
-        return f"predicted.step_ms: {pred.step_ms} does not match the segments' recompute time ({expected_ms:.4f})"
+    expected_ms += sum(v.time_ms for v in schedule.variants)
+    if abs(expected_ms - pred.step_ms) > 1e-3 * (1 + len(schedule.segments) + len(schedule.variants)):
+        return (f"predicted.step_ms: {pred.step_ms} does not match the segments' recompute time and the "
+                f"variants' time ({expected_ms:.4f})")
     if pred.peak_bytes > schedule.budget_bytes:
         return f"predicted.peak_bytes: {pred.peak_bytes} is above budget_bytes {schedule.budget_bytes}"
     return None
@@ -199,6 +224,19 @@ def _nesting_problem(schedule: Schedule) -> str:
             if outer.module in outer_of or outer.module in outer_of.values():
                 return f"decisions: segments {names} nest more than one segment or deeper than two levels"
             outer_of[inner.module] = outer.module
+    return ""
+
+
+def _variant_problem(schedule: Schedule) -> str:
+    """A variant runs outside every segment, and at most once per BatchNorm."""
+    seen = set()
+    for v in schedule.variants:
+        if v.bn in seen:
+            return f"decisions: the variant at '{v.bn_module}' is listed twice"
+        seen.add(v.bn)
+        for s in schedule.segments:
+            if any(s.first_op <= op < s.end_op for op in (v.bn, v.activation, *v.convs)):
+                return f"decisions: the variant at '{v.bn_module}' runs inside segment '{s.module}'"
     return ""
 
 

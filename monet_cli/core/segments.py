@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from functools import cached_property
 
 from monet_cli.core.profile import Profile
+from monet_cli.core.variants import site_storages, with_variants
 
 # Ops selective checkpointing never caches (torch.utils.checkpoint.SAC_IGNORED_OPS),
 # written out here so the core stays free of torch.
@@ -27,6 +28,9 @@ SAC_IGNORED_OPS = frozenset({
     "aten.numel.default", "aten.dim.default", "aten.is_contiguous.default",
 })
 
+
+VARIANT_MODELS_CACHED = 8
+"""Variant sets whose rewritten profile ``SegmentModel.with_variants`` keeps (a solve checks a few)."""
 
 MAX_NESTED_CHILDREN = 8
 """A segment with more sub-segments than this (a stack of layers) holds none nested."""
@@ -79,6 +83,35 @@ class SegmentModel:
     def __init__(self, profile: Profile) -> None:
         self.profile = profile
         self.end = profile.num_positions
+        self._variant_models: dict[frozenset[int], SegmentModel] = {}
+
+    def with_variants(self, chosen: frozenset[int]) -> SegmentModel:
+        """The model of this profile as if the operator variants ``chosen`` had run."""
+        if not chosen:
+            return self
+        if chosen not in self._variant_models:
+            if len(self._variant_models) >= VARIANT_MODELS_CACHED:
+                self._variant_models.pop(next(iter(self._variant_models)))
+            self._variant_models[chosen] = SegmentModel(with_variants(self.profile, chosen))
+        return self._variant_models[chosen]
+
+    @cached_property
+    def variant_storages(self) -> dict[int, tuple[int, int, int]]:
+        """Variant index -> the storages it changes: the BatchNorm's input and output and the
+        activation's output."""
+        found = {}
+        for index, site in enumerate(self.profile.variants):
+            at = site_storages(self.profile, site)
+            found[index] = (at.bn_input, at.bn_output, at.activation_output)
+        return found
+
+    @cached_property
+    def variant_conflicts(self) -> dict[int, tuple[int, ...]]:
+        """Variant index -> the segments it cannot run with: checkpointing them would move the
+        same storages (so neither one's effect could be added to the other's)."""
+        touched = {call: set(self.touched_storages(call)) for call in self.segments}
+        return {index: tuple(call for call, storages in touched.items() if storages.intersection(ids))
+                for index, ids in self.variant_storages.items()}
 
     @cached_property
     def ancestors(self) -> list[tuple[int, ...]]:

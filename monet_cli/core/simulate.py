@@ -34,6 +34,7 @@ from dataclasses import dataclass
 
 from monet_cli.core.profile import Profile, StorageRecord
 from monet_cli.core.segments import Frame, SegmentModel
+from monet_cli.core.variants import with_variants
 
 Plan = dict[int, frozenset[int]]
 """Chosen segments: module call index -> op indices whose outputs are kept."""
@@ -57,9 +58,27 @@ class SimResult:
     """(position, live bytes after that position's allocations), if requested."""
 
 
-def memory_events(model: SegmentModel, plan: Plan) -> list[tuple[Key, int]]:
-    """Every (key, +/- bytes) memory event of the step under ``plan``, unsorted."""
-    return _events(model, plan).items
+Variants = frozenset[int]
+"""Chosen operator variants: indices into ``Profile.variants``."""
+
+
+def memory_events(model: SegmentModel, plan: Plan, variants: Variants = frozenset()) -> list[tuple[Key, int]]:
+    """Every (key, +/- bytes) memory event of the step under ``plan`` and ``variants``, unsorted."""
+    return _events(model, plan, variants).items
+
+
+def variant_delta_events(model: SegmentModel, index: int) -> list[tuple[Key, int]]:
+    """``memory_events({}, {index})`` minus ``memory_events({})``, from the storages the
+    variant changes and the temporaries its backward nodes add (the others cancel)."""
+    changed = SegmentModel(with_variants(model.profile, (index,)))
+    storages = list(model.variant_storages[index])
+    temporaries = range(len(model.profile.storages), len(changed.profile.storages))
+    after, before = _Events(changed, {}), _Events(model, {})
+    for sid in [*storages, *temporaries]:
+        after.add_storage(changed.profile.storages[sid])
+    for sid in storages:
+        before.add_storage(model.profile.storages[sid])
+    return after.items + [(key, -delta) for key, delta in before.items]
 
 
 def segment_delta_events(model: SegmentModel, call: int, kept: frozenset[int]) -> list[tuple[Key, int]]:
@@ -112,13 +131,15 @@ def burst_key(model: SegmentModel, frame: Frame, op: int, sub: int) -> Key:
     return (frame.burst_pos if frame.burst_pos is not None else model.end, 1, *frame.order, op, sub)
 
 
-def simulate(profile: Profile, plan: Plan, *, model: SegmentModel | None = None, timeline: bool = False) -> SimResult:
+def simulate(profile: Profile, plan: Plan, *, model: SegmentModel | None = None, variants: Variants = frozenset(),
+             timeline: bool = False) -> SimResult:
     model = model or SegmentModel(profile)
-    events = _events(model, plan)
+    events = _events(model, plan, variants)
     peak, peak_key, points = _sweep(events.items, timeline)
     frames = events.frames
     recompute_ms = sum((model.recompute_ms(call, kept, frames[call]) for call, kept in plan.items()), 0.0)
     added_ms = sum((model.added_ms(call, kept, frames[call]) for call, kept in plan.items()), 0.0)
+    added_ms += sum((profile.variants[v].time_ms for v in variants), 0.0)
     return SimResult(
         peak_bytes=peak,
         peak_pos=max(peak_key[0], 0),
@@ -127,6 +148,17 @@ def simulate(profile: Profile, plan: Plan, *, model: SegmentModel | None = None,
         added_ms=added_ms,
         timeline=points,
     )
+
+
+def _check_variants(model: SegmentModel, plan: Plan, variants: Variants) -> None:
+    for index in variants:
+        if not 0 <= index < len(model.profile.variants):
+            raise ValueError(f"variant {index} is not a variant of this profile")
+        clash = [call for call in model.variant_conflicts[index] if call in plan]
+        if clash:
+            site = model.profile.variants[index]
+            raise ValueError(f"the variant at {site.bn_module!r} and segment {model.segments[clash[0]].fqn!r} "
+                             "change the same tensors")
 
 
 def _check_plan(model: SegmentModel, plan: Plan) -> None:
@@ -295,8 +327,10 @@ class _Events:
             self.span(alloc, free, s.bytes, sid, recomputed=True)
 
 
-def _events(model: SegmentModel, plan: Plan) -> _Events:
+def _events(model: SegmentModel, plan: Plan, variants: Variants = frozenset()) -> _Events:
     _check_plan(model, plan)
+    _check_variants(model, plan, variants)
+    model = model.with_variants(frozenset(variants))
     events = _Events(model, plan)
     for storage in model.profile.storages:
         events.add_storage(storage)
@@ -306,9 +340,10 @@ def _events(model: SegmentModel, plan: Plan) -> _Events:
     return events
 
 
-def live_at_peak(model: SegmentModel, plan: Plan) -> list[tuple[int, bool, int]]:
-    """(storage id, recomputed copy?, bytes) of everything live at the simulated peak."""
-    events = _events(model, plan)
+def live_at_peak(model: SegmentModel, plan: Plan, variants: Variants = frozenset()) -> list[tuple[int, bool, int]]:
+    """(storage id, recomputed copy?, bytes) of everything live at the simulated peak (storage
+    ids of the profile as rewritten for ``variants``: their temporaries come after the others)."""
+    events = _events(model, plan, variants)
     _, peak_key, _ = _sweep(list(events.items), False)
     live: dict[tuple[int, bool], int] = {}
     for (key, delta), owner in zip(events.items, events.owners):
@@ -317,11 +352,11 @@ def live_at_peak(model: SegmentModel, plan: Plan) -> list[tuple[int, bool, int]]
     return [(sid, copy, nbytes) for (sid, copy), nbytes in live.items() if nbytes > 0]
 
 
-def peak_breakdown(model: SegmentModel, plan: Plan) -> dict[str, int]:
+def peak_breakdown(model: SegmentModel, plan: Plan, variants: Variants = frozenset()) -> dict[str, int]:
     """Live bytes per storage kind at the simulated peak of ``plan``."""
-    storages = model.profile.storages
+    storages = model.with_variants(frozenset(variants)).profile.storages
     totals: dict[str, int] = {}
-    for sid, copy, nbytes in live_at_peak(model, plan):
+    for sid, copy, nbytes in live_at_peak(model, plan, variants):
         kind = "workspace" if sid == WORKSPACE else "recomputed" if copy else storages[sid].kind
         totals[kind] = totals.get(kind, 0) + nbytes
     return dict(sorted(totals.items(), key=lambda kv: -kv[1]))

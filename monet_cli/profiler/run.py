@@ -28,10 +28,12 @@ from monet_cli.core.profile import (
     Profile,
     StorageRecord,
 )
+from monet_cli.core.variants import find_sites
 from monet_cli.errors import ModelError
 from monet_cli.profiler.capture import LifetimeRecorder, OpTimer, StepRecorder, Timings
 from monet_cli.profiler.overheads import measure_overheads
 from monet_cli.profiler.rehearse import Rehearsal
+from monet_cli.profiler.variants import measure_variants
 from monet_cli.runtime.fingerprint import model_modules_hash, warn_if_untested_torch
 from monet_cli.workload.step import Workload, build_workload, configure_cuda, run_checked
 
@@ -44,7 +46,7 @@ def _no_progress(label: str) -> None:
 
 def profile_steps(steps: int) -> int:
     """How many progress ticks ``profile_model`` reports."""
-    return 6 + 2 * steps
+    return 7 + 2 * steps
 
 
 def profile_model(
@@ -80,7 +82,9 @@ def profile_model(
     for call in recorder.calls:
         reasons[call.index] = reasons[call.index] or differs.get(call.fqn, "")
     profile = build_profile(workload, recorder, lifetimes, timings, measurement.peak_bytes, measurement.meter, reasons)
-    return replace(profile, overheads=overheads)
+    progress("measuring operator variants")
+    variants = run_checked(lambda: measure_variants(workload, find_sites(profile)), "measuring operator variants")
+    return replace(profile, overheads=overheads, variants=variants)
 
 
 def _timed_ops(workload: Workload, recorder: StepRecorder) -> list[float]:

@@ -1,4 +1,5 @@
-"""Apply a schedule to a model: checkpointed segments with a per-op keep policy.
+"""Apply a schedule to a model: checkpointed segments with a per-op keep policy, and
+operator variants outside them.
 
 Each scheduled module's ``forward`` runs under non-reentrant ``torch.utils.checkpoint``
 (``preserve_rng_state=True``, so dropout draws the same mask on recompute) with a
@@ -30,6 +31,7 @@ from torch.utils.checkpoint import (
 from monet_cli.core.schedule import Schedule, load_schedule
 from monet_cli.errors import CheckpointConflictError, FingerprintError
 from monet_cli.runtime.fingerprint import FirstForwardCheck, warn_if_untested_torch
+from monet_cli.runtime.variants import install_variants
 from monet_cli.workload.step import make_out_of_place, turn_off_kv_cache
 
 _APPLIED = "_monet_schedule"
@@ -62,6 +64,7 @@ def apply_schedule(model: nn.Module, schedule: Schedule | str | Path, *, check_f
         keep = frozenset((k.op, k.occurrence) for k in schedule.kept_in(segment.module))
         _wrap_forward(module, keep, marker)
         _guard_batchnorms(module)
+    install_variants(model, schedule.variants)
     if check_fingerprint:
         FirstForwardCheck(model, schedule.fingerprint, marker).install()
     setattr(model, _APPLIED, schedule)

@@ -2,9 +2,11 @@
 
 Variables: ``seg[c]`` checkpoints module call c; ``keep[c,i]`` keeps op i's output
 inside segment c (selective checkpointing) so it is not recomputed; ``nest[o,n]`` runs
-segment n nested inside segment o.
+segment n nested inside segment o; ``variant[v]`` runs operator variant v (an output-keeping
+BatchNorm and what follows it).
 Constraints: chosen segments overlap only as a nested pair (one inner per outer, two
-levels, neither keeping anything); a keep needs its segment; at every point of the step
+levels, neither keeping anything); a keep needs its segment; a variant is never chosen with
+a segment that moves the same tensors; at every point of the step
 the linear memory model stays within the budget (points inside a recompute burst only
 count when that segment, or nested pair, is chosen).
 Objective: minimise recompute time in microseconds (the predicted overhead), or, in
@@ -20,7 +22,7 @@ from dataclasses import dataclass, field
 from ortools.sat.python import cp_model
 
 from monet_cli.core.segments import SegmentModel
-from monet_cli.core.simulate import Plan
+from monet_cli.core.simulate import Plan, Variants
 from monet_cli.core.solver.linear import LinearMemory
 
 US_PER_MS = 1000
@@ -35,6 +37,7 @@ class MemoryRow:
     seg_coefs: dict[int, int]
     keep_coefs: dict[tuple[int, int], int]
     nest_coefs: dict[tuple[int, int], int]
+    variant_coefs: dict[int, int] = field(default_factory=dict)
     burst_of: int | tuple[int, int] | None
     slack: int = 0
     """Bytes the simulator found this point under-predicted by (a cut from the solve loop)."""
@@ -47,6 +50,7 @@ class Variables:
     policy: dict[int, cp_model.IntVar] = field(default_factory=dict)
     """policy[c]: segment c keeps something, so its selective policy runs (and costs time)."""
     nest: dict[tuple[int, int], cp_model.IntVar] = field(default_factory=dict)
+    variant: dict[int, cp_model.IntVar] = field(default_factory=dict)
     peak: cp_model.IntVar | None = None
 
 
@@ -63,10 +67,13 @@ class Costs:
     nest: dict[tuple[int, int], int]
     """Nesting changes the outer segment's recompute (it stops at the inner call's start
     when nothing later is saved); the inner segment's own cost is in ``seg``."""
+    variant: dict[int, int]
+    """A variant's measured forward and backward time beyond the unmodified modules'."""
 
 
 def step_costs(model: SegmentModel) -> Costs:
     seg, keep_saving, policy, nest = {}, {}, {}, {}
+    variant = {v: round(site.time_ms * US_PER_MS) for v, site in enumerate(model.profile.variants)}
     ops = model.profile.ops
     for c, info in model.segments.items():
         seg[c] = round(model.added_ms(c) * US_PER_MS)
@@ -77,12 +84,12 @@ def step_costs(model: SegmentModel) -> Costs:
     for outer, inner in model.nest_pairs:
         frame = model.frames({outer: frozenset(), inner: frozenset()})[outer]
         nest[(outer, inner)] = round(model.added_ms(outer, frame=frame) * US_PER_MS) - seg[outer]
-    return Costs(seg=seg, keep_saving=keep_saving, policy=policy, nest=nest)
+    return Costs(seg=seg, keep_saving=keep_saving, policy=policy, nest=nest, variant=variant)
 
 
-def objective_us(costs: Costs, plan: Plan) -> int:
+def objective_us(costs: Costs, plan: Plan, variants: Variants = frozenset()) -> int:
     """The objective of ``plan`` exactly as ``build_model`` writes it."""
-    return sum(
+    return sum(costs.variant[v] for v in variants) + sum(
         costs.seg[c] + (costs.policy[c] if kept else 0) - sum(costs.keep_saving[(c, i)] for i in kept)
         for c, kept in plan.items()
     ) + sum(cost for (outer, inner), cost in costs.nest.items() if outer in plan and inner in plan)
@@ -90,15 +97,18 @@ def objective_us(costs: Costs, plan: Plan) -> int:
 
 def row_at(linear: LinearMemory, j: int, slack: int = 0) -> MemoryRow:
     """The memory constraint of point ``j``."""
-    seg_coefs, keep_coefs, nest_coefs = linear.coefficients_at(j)
+    seg_coefs, keep_coefs, nest_coefs, variant_coefs = linear.coefficients_at(j)
     return MemoryRow(point=j, base=int(linear.base[j]), seg_coefs=seg_coefs, keep_coefs=keep_coefs,
-                     nest_coefs=nest_coefs, burst_of=linear.points[j].burst_of, slack=slack)
+                     nest_coefs=nest_coefs, variant_coefs=variant_coefs, burst_of=linear.points[j].burst_of,
+                     slack=slack)
 
 
 def build_model(
-    model: SegmentModel, rows: list[MemoryRow], *, budget_bytes: int | None, min_peak: bool = False
+    model: SegmentModel, rows: list[MemoryRow], *, budget_bytes: int | None, min_peak: bool = False,
+    variants: tuple[int, ...] = (),
 ) -> tuple[cp_model.CpModel, Variables]:
-    """The CP model; ``budget_bytes=None`` with ``min_peak`` minimises the peak instead."""
+    """The CP model over the segments and the offered ``variants``; ``budget_bytes=None`` with
+    ``min_peak`` minimises the peak instead."""
     cp = cp_model.CpModel()
     v = Variables()
     for c, seg in model.segments.items():
@@ -109,8 +119,10 @@ def build_model(
             v.keep[(c, i)] = cp.new_bool_var(f"keep[{c},{i}]")
             cp.add_implication(v.keep[(c, i)], v.policy[c])
     _add_overlaps(cp, model, v)
+    _add_variants(cp, model, v, variants)
     if min_peak:
-        top = max((r.base + sum(max(0, x) for coefs in (r.seg_coefs, r.keep_coefs, r.nest_coefs) for x in coefs.values())
+        top = max((r.base + sum(max(0, x) for coefs in (r.seg_coefs, r.keep_coefs, r.nest_coefs, r.variant_coefs)
+                                for x in coefs.values())
                    for r in rows), default=0)
         v.peak = cp.new_int_var(0, max(top, 1), "peak")
     for row in rows:
@@ -128,8 +140,17 @@ def build_model(
         + sum(costs.policy[c] * v.policy[c] for c in v.policy)
         - sum(costs.keep_saving[k] * v.keep[k] for k in v.keep)
         + sum(costs.nest[pair] * v.nest[pair] for pair in v.nest)
+        + sum(costs.variant[i] * v.variant[i] for i in v.variant)
     )
     return cp, v
+
+
+def _add_variants(cp: cp_model.CpModel, model: SegmentModel, v: Variables, offered: tuple[int, ...]) -> None:
+    """One choice per offered variant, never with a segment that moves the same tensors."""
+    for index in offered:
+        v.variant[index] = cp.new_bool_var(f"variant[{index}:{model.profile.variants[index].bn_module}]")
+        for call in model.variant_conflicts[index]:
+            cp.add_at_most_one([v.variant[index], v.seg[call]])
 
 
 def _add_overlaps(cp: cp_model.CpModel, model: SegmentModel, v: Variables) -> None:
@@ -158,7 +179,8 @@ def _add_overlaps(cp: cp_model.CpModel, model: SegmentModel, v: Variables) -> No
 def _add_memory_row(cp: cp_model.CpModel, v: Variables, row: MemoryRow, budget_bytes: int | None) -> None:
     expr = (row.base + row.slack + sum(coef * v.seg[c] for c, coef in row.seg_coefs.items())
             + sum(coef * v.keep[k] for k, coef in row.keep_coefs.items())
-            + sum(coef * v.nest[pair] for pair, coef in row.nest_coefs.items()))
+            + sum(coef * v.nest[pair] for pair, coef in row.nest_coefs.items())
+            + sum(coef * v.variant[i] for i, coef in row.variant_coefs.items()))
     limit = v.peak if v.peak is not None else budget_bytes
     constraint = cp.add(expr <= limit)
     if isinstance(row.burst_of, tuple):
@@ -167,7 +189,9 @@ def _add_memory_row(cp: cp_model.CpModel, v: Variables, row: MemoryRow, budget_b
         constraint.only_enforce_if(v.seg[row.burst_of])
 
 
-def add_hint(cp: cp_model.CpModel, v: Variables, plan: Plan) -> None:
+def add_hint(cp: cp_model.CpModel, v: Variables, plan: Plan, variants: Variants = frozenset()) -> None:
+    for index, var in v.variant.items():
+        cp.add_hint(var, index in variants)
     for c, var in v.seg.items():
         cp.add_hint(var, c in plan)
         cp.add_hint(v.policy[c], bool(plan.get(c)))
@@ -181,6 +205,7 @@ def add_hint(cp: cp_model.CpModel, v: Variables, plan: Plan) -> None:
 class CpResult:
     status: str
     plan: Plan | None
+    variants: Variants = frozenset()
     objective: float | None
     bound: float | None
     wall_s: float
@@ -227,6 +252,7 @@ def solve_model(
     return CpResult(
         status=name,
         plan=extract(solver, v),
+        variants=frozenset(i for i, var in v.variant.items() if solver.boolean_value(var)),
         objective=solver.objective_value,
         bound=solver.best_objective_bound,
         wall_s=solver.wall_time,

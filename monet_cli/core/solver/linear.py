@@ -4,10 +4,11 @@ The simulator is exact but not linear in the decisions. For CP-SAT we write the 
 bytes at each point of the step as
 
     live(q) = base(q) + sum_c x_c * seg_delta[c, q] + sum_(c,i) k_ci * keep_delta[(c, i), q]
-                      + sum_(o,n) y_on * nest_delta[(o, n), q]
+                      + sum_(o,n) y_on * nest_delta[(o, n), q] + sum_v z_v * variant_delta[v, q]
 
-where x_c chooses segment c (nothing kept), k_ci keeps op i inside c and y_on nests
-segment n in segment o. Each delta row is the simulator's own difference between a
+where x_c chooses segment c (nothing kept), k_ci keeps op i inside c, y_on nests
+segment n in segment o and z_v runs operator variant v (never with a segment that moves
+the same storages, so variant rows add exactly). Each delta row is the simulator's own difference between a
 one-segment plan and the empty plan (or a one-keep plan and the bare segment, or a nested
 pair and its two segments alone), computed from only the storages those can move, so the
 model is exact for single segments and single nested pairs; for
@@ -30,11 +31,13 @@ from monet_cli.core.segments import SegmentModel
 from monet_cli.core.simulate import (
     Key,
     Plan,
+    Variants,
     burst_key,
     keep_delta_events,
     memory_events,
     nest_delta_events,
     segment_delta_events,
+    variant_delta_events,
 )
 
 
@@ -80,8 +83,10 @@ class StepRow:
 class LinearMemory:
     """base, per-segment and per-keep delta rows over every point of the step."""
 
-    def __init__(self, model: SegmentModel) -> None:
+    def __init__(self, model: SegmentModel, *, variants: tuple[int, ...] = ()) -> None:
         self.model = model
+        self.variants = variants
+        """The operator variants offered to the solver (indices into the profile's)."""
         self.points = self._points()
         self._codes = np.array([self.encode(p.key) for p in self.points], dtype=np.int64)
         order = np.argsort(self._codes, kind="stable")
@@ -121,9 +126,9 @@ class LinearMemory:
         return base + 1 + (((f + neg_first) * 2 + depth) * f + op) * 2 + sub
 
     # -- rows ---------------------------------------------------------------------------
-    def live(self, plan: Plan) -> np.ndarray:
+    def live(self, plan: Plan, variants: Variants = frozenset()) -> np.ndarray:
         """Live bytes at every point under ``plan`` (exact simulator numbers)."""
-        return self._at_points(memory_events(self.model, plan))
+        return self._at_points(memory_events(self.model, plan, variants))
 
     def _step_row(self, events: list[tuple[Key, int]]) -> StepRow:
         """The running sum of ``events`` read at every point, stored by its changes."""
@@ -165,9 +170,15 @@ class LinearMemory:
     def nest_delta(self) -> dict[tuple[int, int], StepRow]:
         return {pair: self._step_row(nest_delta_events(self.model, *pair)) for pair in self.model.nest_pairs}
 
-    def predict(self, plan: Plan) -> np.ndarray:
+    @cached_property
+    def variant_delta(self) -> dict[int, StepRow]:
+        return {v: self._step_row(variant_delta_events(self.model, v)) for v in self.variants}
+
+    def predict(self, plan: Plan, variants: Variants = frozenset()) -> np.ndarray:
         """The linear model's live bytes under ``plan`` (bursts of unchosen segments masked)."""
         total = self.base.copy()
+        for v in variants:
+            self.variant_delta[v].add_to(total)
         for c, kept in plan.items():
             self.seg_delta[c].add_to(total)
             for i in kept:
@@ -176,10 +187,16 @@ class LinearMemory:
             self.nest_delta[pair].add_to(total)
         return np.where(self.active_mask(plan), total, 0)
 
-    def coefficients_at(self, j: int) -> tuple[dict[int, int], dict[tuple[int, int], int], dict[tuple[int, int], int]]:
-        """Every non-zero segment, keep and nesting coefficient at point ``j``."""
+    def coefficients_at(self, j: int) -> tuple[dict[int, int], dict[tuple[int, int], int], dict[tuple[int, int], int],
+                                               dict[int, int]]:
+        """Every non-zero segment, keep, nesting and variant coefficient at point ``j``."""
         return (_nonzero_at(self.seg_delta, self._seg_spans, j), _nonzero_at(self.keep_delta, self._keep_spans, j),
-                _nonzero_at(self.nest_delta, self._nest_spans, j))
+                _nonzero_at(self.nest_delta, self._nest_spans, j),
+                _nonzero_at(self.variant_delta, self._variant_spans, j))
+
+    @cached_property
+    def _variant_spans(self) -> tuple[list, np.ndarray, np.ndarray]:
+        return _spans(self.variant_delta)
 
     @cached_property
     def _nest_spans(self) -> tuple[list, np.ndarray, np.ndarray]:
@@ -198,7 +215,9 @@ class LinearMemory:
         one with the highest base. Only it can bind within its stretch."""
         n = len(self.points)
         cuts = {0}
-        for row in (*self.seg_delta.values(), *self.keep_delta.values(), *self.nest_delta.values()):
+        rows = (*self.seg_delta.values(), *self.keep_delta.values(), *self.nest_delta.values(),
+                *self.variant_delta.values())
+        for row in rows:
             cuts.update(row.at.tolist())
         bursts: dict = {None: -1}
         owner = np.array([bursts.setdefault(p.burst_of, len(bursts)) for p in self.points], dtype=np.int64)
@@ -241,8 +260,8 @@ def _nonzero_at(rows: dict, spans: tuple[list, np.ndarray, np.ndarray], j: int) 
     return {key: value for key, value in values if value != 0}
 
 
-def live_series(model: SegmentModel, plan: Plan) -> tuple[int, ...]:
+def live_series(model: SegmentModel, plan: Plan, variants: Variants = frozenset()) -> tuple[int, ...]:
     """Predicted live bytes after every op of the step, recompute bursts included, in run order."""
     linear = LinearMemory(model)
-    values = linear.live(plan)[linear.active_mask(plan)]
+    values = linear.live(plan, variants)[linear.active_mask(plan)]
     return tuple(int(v) for v in values[1:])  # drop the point before the first op

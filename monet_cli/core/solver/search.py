@@ -20,7 +20,7 @@ import numpy as np
 
 from monet_cli.core.schedule import SolverInfo
 from monet_cli.core.segments import SegmentModel
-from monet_cli.core.simulate import Plan, SimResult, simulate
+from monet_cli.core.simulate import Plan, SimResult, Variants, simulate
 from monet_cli.core.solver.cpsat import MemoryRow, add_hint, build_model, row_at, solve_model
 from monet_cli.core.solver.heuristics import best_heuristic
 from monet_cli.core.solver.linear import LinearMemory
@@ -35,6 +35,8 @@ Report = Callable[[str], None]
 class SolveOutcome:
     plan: Plan | None
     """None when nothing fits the budget."""
+    variants: Variants = frozenset()
+    """Operator variants chosen with the plan."""
     result: SimResult | None
     status: str
     """OPTIMAL, FEASIBLE, INFEASIBLE or UNKNOWN (no schedule found in time)."""
@@ -50,6 +52,7 @@ class SolveOutcome:
 class MinimumPeak:
     peak_bytes: int
     plan: Plan
+    variants: Variants
     breakdown: dict[str, int]
 
 
@@ -71,10 +74,12 @@ def _quiet(message: str) -> None:
 class Planner:
     """Everything derived from one profile, reused across budgets (sweeps)."""
 
-    def __init__(self, model: SegmentModel) -> None:
+    def __init__(self, model: SegmentModel, *, variants: bool = True) -> None:
         self.model = model
         self.profile = model.profile
-        self.linear = LinearMemory(model)
+        self.offered = tuple(range(len(model.profile.variants))) if variants else ()
+        """The operator variants the solver may choose (none when asked for checkpointing alone)."""
+        self.linear = LinearMemory(model, variants=self.offered)
         self.pool = self.linear.representative_points()
         """The points whose rows can bind; a row is built when it joins the CP model."""
 
@@ -96,11 +101,12 @@ class Planner:
                 name, best = "given plan", (hint, hinted)
         rows = self._highest_rows()
         status, objective, bound, rounds = "UNKNOWN", None, None, 0
+        variants: Variants = frozenset()
         for rounds in range(1, MAX_ROUNDS + 1):
             remaining = time_limit_s - (time.perf_counter() - start)
             if remaining <= 0.05:
                 break
-            cp, variables = build_model(self.model, rows, budget_bytes=budget_bytes)
+            cp, variables = build_model(self.model, rows, budget_bytes=budget_bytes, variants=self.offered)
             add_hint(cp, variables, hint if hint is not None else heuristic)
             cp_result = solve_model(
                 cp, variables, time_limit_s=remaining, workers=workers, seed=seed,
@@ -109,12 +115,13 @@ class Planner:
             status = cp_result.status
             if cp_result.plan is None:
                 break
-            result = simulate(self.profile, cp_result.plan, model=self.model)
+            result = simulate(self.profile, cp_result.plan, model=self.model, variants=cp_result.variants)
             if result.peak_bytes <= budget_bytes:
                 objective, bound = cp_result.objective, cp_result.bound
                 best = (cp_result.plan, result)
+                variants = cp_result.variants
                 break
-            added = self._violated_rows(rows, cp_result.plan, budget_bytes)
+            added = self._violated_rows(rows, cp_result.plan, cp_result.variants, budget_bytes)
             report(f"round {rounds}: simulated peak {result.peak_bytes} over budget; {len(added)} more rows")
             status = "UNKNOWN"
             if not added:
@@ -126,7 +133,8 @@ class Planner:
         plan, result = best
         if objective is None:  # CP-SAT did not confirm: keep the heuristic, honestly labelled
             return self._outcome(plan, result, "FEASIBLE", f"heuristic ({name})", result.added_ms, None, start, rounds)
-        return self._outcome(plan, result, status, "cp-sat", objective / 1000, bound / 1000, start, rounds)
+        return self._outcome(plan, result, status, "cp-sat", objective / 1000, bound / 1000, start, rounds,
+                             variants)
 
     def _highest_rows(self) -> list[MemoryRow]:
         """Where the lazy model starts: the rows at the highest memory of the unscheduled step."""
@@ -137,12 +145,12 @@ class Planner:
         """Every row the lazy model could add (the whole linear model, for reference solves)."""
         return [row_at(self.linear, int(j)) for j in self.pool]
 
-    def _violated_rows(self, rows: list[MemoryRow], plan: Plan, limit_bytes: int) -> list[MemoryRow]:
+    def _violated_rows(self, rows: list[MemoryRow], plan: Plan, variants: Variants, limit_bytes: int) -> list[MemoryRow]:
         """Rows ``plan`` puts over ``limit_bytes``: missing rows of the linear model, most
         violated first, and cuts where the simulator counts more than the linear model (the
         missing bytes become the row's slack)."""
-        exact = self.linear.live(plan)
-        predicted = self.linear.predict(plan)
+        exact = self.linear.live(plan, variants)
+        predicted = self.linear.predict(plan, variants)
         active = self.linear.active_mask(plan)
         worst = np.maximum(exact, predicted)
         pool = self.pool[~np.isin(self.pool, [row.point for row in rows])]
@@ -154,12 +162,12 @@ class Planner:
             row_at(self.linear, int(j), int(exact[j] - predicted[j])) for j in under
         ]
 
-    def _outcome(self, plan, result, status, method, objective, bound, start, rounds) -> SolveOutcome:
+    def _outcome(self, plan, result, status, method, objective, bound, start, rounds, variants=frozenset()) -> SolveOutcome:
         gap = None
         if objective is not None and bound is not None:
             gap = 0.0 if objective <= 0 else max(0.0, (objective - bound) / objective)
         return SolveOutcome(
-            plan=plan, result=result, status=status, method=method, objective_ms=objective, bound_ms=bound,
+            plan=plan, variants=variants, result=result, status=status, method=method, objective_ms=objective, bound_ms=bound,
             gap=gap, time_s=round(time.perf_counter() - start, 3), rounds=rounds,
         )
 
@@ -168,32 +176,33 @@ class Planner:
         linear model, each answer checked by simulation, and the heuristic's lowest plan."""
         start = time.perf_counter()
         _, heuristic, _ = best_heuristic(self.linear, 0)
-        candidates: list[Plan] = [{}, heuristic]
+        candidates: list[tuple[Plan, Variants]] = [({}, frozenset()), (heuristic, frozenset())]
         rows = self._highest_rows()
         for _ in range(MAX_ROUNDS):
             remaining = time_limit_s - (time.perf_counter() - start)
             if remaining <= 0.05:
                 break
-            cp, variables = build_model(self.model, rows, budget_bytes=None, min_peak=True)
+            cp, variables = build_model(self.model, rows, budget_bytes=None, min_peak=True, variants=self.offered)
             add_hint(cp, variables, heuristic)
             cp_result = solve_model(cp, variables, time_limit_s=remaining, workers=workers, seed=seed)
             if cp_result.plan is None:
                 break
-            candidates.append(cp_result.plan)
+            candidates.append((cp_result.plan, cp_result.variants))
             # The model's own peak for this answer: the highest of the rows it had.
-            predicted = self.linear.predict(cp_result.plan)
+            predicted = self.linear.predict(cp_result.plan, cp_result.variants)
             relaxed = max(int(predicted[row.point]) + row.slack for row in rows)
-            added = self._violated_rows(rows, cp_result.plan, relaxed)
+            added = self._violated_rows(rows, cp_result.plan, cp_result.variants, relaxed)
             if not added:
                 break
             rows = rows + added
-        scored = [(simulate(self.profile, p, model=self.model).peak_bytes, i) for i, p in enumerate(candidates)]
+        scored = [(simulate(self.profile, p, model=self.model, variants=vs).peak_bytes, i)
+                  for i, (p, vs) in enumerate(candidates)]
         peak, index = min(scored)
-        plan = candidates[index]
-        return MinimumPeak(peak_bytes=peak, plan=plan, breakdown=self.breakdown(plan))
+        plan, variants = candidates[index]
+        return MinimumPeak(peak_bytes=peak, plan=plan, variants=variants, breakdown=self.breakdown(plan, variants))
 
-    def breakdown(self, plan: Plan) -> dict[str, int]:
+    def breakdown(self, plan: Plan, variants: Variants = frozenset()) -> dict[str, int]:
         """Bytes by kind (parameters, gradients, optimizer state, activations, ...) at the peak."""
         from monet_cli.core.simulate import peak_breakdown
 
-        return peak_breakdown(self.model, plan)
+        return peak_breakdown(self.model, plan, variants)

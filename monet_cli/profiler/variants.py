@@ -1,0 +1,129 @@
+"""Measure each operator variant where it applies: the bytes it keeps, the time it costs.
+
+Each site (a BatchNorm, its activation, the convolutions after it) runs alone on copies of
+its modules, at the shapes of the profiled step, on the profiled device: once as PyTorch
+runs it and once as the variant, forward and backward, interleaved, timed by medians. The
+tensors autograd keeps are counted with saved-tensor hooks (each storage once, parameters
+apart). Nothing is taken from a formula: the simulator's rewrite of the profile says where
+the kept bytes live, and these numbers say what a variant keeps and costs.
+"""
+
+from __future__ import annotations
+
+import copy
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from monet_cli.core.profile import VariantRecord, VariantSite
+from monet_cli.runtime.meter import storage_key
+from monet_cli.runtime.variants import install_on, variant_ready
+from monet_cli.workload.step import Workload
+
+REPEATS = 5
+"""Timed runs of each version per site, after one warm-up run of each."""
+
+
+def measure_variants(workload: Workload, sites: list[VariantSite]) -> tuple[VariantRecord, ...]:
+    """A record for every site whose modules can run the variant now (a BatchNorm weight near
+    zero, or a module of another kind than the profile saw, leaves the site out)."""
+    ready = [site for site in sites if not variant_ready(workload.model, site)]
+    if not ready:
+        return ()
+    shapes = _bn_input_shapes(workload, [site.bn_module for site in ready])
+    modules = dict(workload.model.named_modules())
+    records = []
+    for site in ready:
+        native = _SiteModules(site, modules)
+        variant = _SiteModules(site, modules)
+        variant.install()
+        x = torch.randn(shapes[site.bn_module], device=workload.device, dtype=torch.float32)
+        native_bytes, variant_bytes = native.saved_bytes(x), variant.saved_bytes(x)
+        native_ms, variant_ms = _interleaved_ms(native.run, variant.run, x, workload)
+        records.append(VariantRecord(
+            **{name: getattr(site, name) for name in VariantSite.__dataclass_fields__},
+            time_ms=round(variant_ms - native_ms, 4), saved_bytes=variant_bytes, native_saved_bytes=native_bytes,
+        ))
+    return tuple(records)
+
+
+class _SiteModules:
+    """Copies of one site's modules, run as the model runs them."""
+
+    def __init__(self, site: VariantSite, modules: dict[str, nn.Module]) -> None:
+        self.bn = copy.deepcopy(modules[site.bn_module])
+        self.act = copy.deepcopy(modules[site.activation_module])
+        self.convs = [copy.deepcopy(modules[path]) for path in site.conv_modules]
+
+    def install(self) -> None:
+        install_on("bn", self.bn)
+        install_on("activation", self.act)
+        for conv in self.convs:
+            install_on("conv", conv)
+
+    def run(self, x: torch.Tensor) -> None:
+        self.forward(x).backward()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        r = self.act(self.bn(x.requires_grad_()))
+        return sum(conv(r).sum() for conv in self.convs)  # type: ignore[return-value]
+
+    def saved_bytes(self, x: torch.Tensor) -> int:
+        """Bytes of the activations autograd keeps for this site's backward."""
+        params = {storage_key(t) for m in (self.bn, self.act, *self.convs) for t in (*m.parameters(), *m.buffers())}
+        kept: dict[int, int] = {}
+
+        def pack(tensor: torch.Tensor) -> torch.Tensor:
+            key = storage_key(tensor)
+            if key not in params:
+                kept[key] = tensor.untyped_storage().nbytes()
+            return tensor
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = self.forward(x.detach().clone())
+        del out
+        return sum(kept.values())
+
+
+def _bn_input_shapes(workload: Workload, paths: list[str]) -> dict[str, torch.Size]:
+    """The input shape of each BatchNorm in ``paths``, from one eval-mode forward (which
+    changes no running statistics)."""
+    shapes: dict[str, torch.Size] = {}
+    modules = dict(workload.model.named_modules())
+    handles = [modules[path].register_forward_pre_hook(_shape_hook(shapes, path)) for path in paths]
+    was_training = workload.model.training
+    workload.model.eval()
+    try:
+        with torch.no_grad(), workload.autocast():
+            workload.run_model()
+    finally:
+        workload.model.train(was_training)
+        for handle in handles:
+            handle.remove()
+    return shapes
+
+
+def _shape_hook(shapes: dict[str, torch.Size], path: str) -> Callable:
+    def hook(module: nn.Module, args: tuple) -> None:
+        shapes[path] = args[0].shape
+
+    return hook
+
+
+def _interleaved_ms(native: Callable[[torch.Tensor], None], variant: Callable[[torch.Tensor], None],
+                    x: torch.Tensor, workload: Workload) -> tuple[float, float]:
+    """Median milliseconds of each, run alternately after one warm-up run each."""
+    times: dict[int, list[float]] = {0: [], 1: []}
+    for repeat in range(REPEATS + 1):
+        for which, run in enumerate((native, variant)):
+            fresh = x.detach().clone()
+            workload.sync()
+            start = time.perf_counter()
+            run(fresh)
+            workload.sync()
+            if repeat:
+                times[which].append((time.perf_counter() - start) * 1000)
+    return statistics.median(times[0]), statistics.median(times[1])

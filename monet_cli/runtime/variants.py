@@ -1,0 +1,215 @@
+"""Operator variants: autograd functions that keep other tensors for backward than PyTorch's.
+
+One variant exists today, chosen per BatchNorm by the solver: ``bn_output``. Where a
+BatchNorm's output y feeds only an activation (ReLU, ReLU6, Hardtanh) whose output r feeds
+only convolutions, PyTorch keeps the conv output before the BatchNorm (its input) and r
+(saved by the activation and by every convolution). With the variant
+
+- the BatchNorm keeps y instead of its input and rebuilds the input from y, its weight and
+  bias and the batch statistics in backward (in-place activated BatchNorm's trick; not
+  bit-exact, see ``TOLERANCE``; a layer with a weight near zero keeps its input instead);
+- the activation keeps its input y instead of its output (the same gradient, bit for bit);
+- each convolution keeps y and recomputes r from it in backward (bit for bit).
+
+So one tensor is kept where PyTorch keeps two (ReLU) or three (ReLU6, which keeps its input).
+The forward runs the same aten ops as the unmodified modules, so fingerprints still match.
+
+``install_variants`` installs them on a model's modules; an activation or convolution takes
+the variant path only for a tensor that came out of a variant BatchNorm, so a shared
+activation module (torchvision's Bottleneck calls one ReLU three times) works unchanged
+elsewhere.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from monet_cli.core.variants import MIN_BN_WEIGHT, VariantSite
+from monet_cli.errors import FingerprintError
+
+_FROM_VARIANT_BN = "_monet_variant_bn_output"
+"""Attribute set on a variant BatchNorm's output: activations downstream may keep it."""
+_RECOMPUTE_FROM = "_monet_recompute_from"
+"""Attribute set on a variant activation's output: (its input, how to recompute it)."""
+
+
+class _BatchNormKeepsOutput(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, running_mean, running_var, momentum, eps):
+        # The same kernel choice as F.batch_norm (native on CPU, cuDNN where it applies).
+        out, save_mean, save_invstd, _, _ = torch.ops.aten._batch_norm_impl_index(
+            x, weight, bias, running_mean, running_var, True, momentum, eps, torch.backends.cudnn.enabled)
+        ctx.save_for_backward(out, weight, bias, save_mean, save_invstd)
+        ctx.eps = eps
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        out, weight, bias, mean, invstd = ctx.saved_tensors
+        shape = (1, -1) + (1,) * (out.dim() - 2)
+        # The input, rebuilt: y = (x - mean) * invstd * w + b.
+        x = (out - bias.view(shape)).div_(weight.view(shape)).div_(invstd.view(shape)).add_(mean.view(shape))
+        mask = [ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]]
+        gx, gw, gb = torch.ops.aten.native_batch_norm_backward(
+            grad.contiguous(), x, weight, None, None, mean, invstd, True, ctx.eps, mask)
+        return gx, gw, gb, None, None, None, None
+
+
+class _ActivationKeepsInput(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y, low, high):
+        ctx.save_for_backward(y)
+        ctx.bounds = (low, high)
+        return _activate(y, low, high)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (y,) = ctx.saved_tensors
+        low, high = ctx.bounds
+        if high is None:
+            return torch.ops.aten.threshold_backward(grad, y, 0), None, None
+        return torch.ops.aten.hardtanh_backward(grad, y, low, high), None, None
+
+
+class _ConvRecomputesInput(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, r, y, low, high, conv: nn.Module, weight, bias):
+        ctx.save_for_backward(y, weight)
+        ctx.bounds = (low, high)
+        ctx.conv = (conv.stride, conv.padding, conv.dilation, conv.groups, None if bias is None else bias.shape)
+        return conv._conv_forward(r, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        y, weight = ctx.saved_tensors
+        stride, padding, dilation, groups, bias_sizes = ctx.conv
+        r = _activate(y, *ctx.bounds)
+        mask = [ctx.needs_input_grad[0], ctx.needs_input_grad[5], bias_sizes is not None and ctx.needs_input_grad[6]]
+        zeros = [0] * len(stride)
+        gr, gw, gb = torch.ops.aten.convolution_backward(
+            grad, r, weight, bias_sizes, stride, padding, dilation, False, zeros, groups, mask)
+        return gr, None, None, None, None, gw, gb
+
+
+def _activate(y: torch.Tensor, low: float, high: float | None) -> torch.Tensor:
+    return torch.relu(y) if high is None else F.hardtanh(y, low, high)
+
+
+def _bounds(module: nn.Module) -> tuple[float, float | None]:
+    if isinstance(module, nn.Hardtanh):  # ReLU6 is a Hardtanh
+        return float(module.min_val), float(module.max_val)
+    return 0.0, None
+
+
+def bn_weight_too_small(module: nn.Module) -> bool:
+    """A weight near zero makes the rebuilt input (y - b) / w meaningless. Checked outside any
+    dispatch mode: these few ops on the weight are no part of the model's step (the
+    fingerprint check and the memory meter see the step's ops only)."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with torch.no_grad(), _disable_current_modes():
+        return bool(module.weight.abs().min() < MIN_BN_WEIGHT)
+
+
+def _batchnorm_forward(module: nn.modules.batchnorm._BatchNorm, original):
+    @functools.wraps(original)
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        if not (module.training and torch.is_grad_enabled() and module.track_running_stats and module.affine) \
+                or bn_weight_too_small(module):
+            return original(x)
+        module._check_input_dim(x)
+        # nn.BatchNorm's own bookkeeping, in its order (the counter first, as its forward does).
+        factor = 0.0 if module.momentum is None else module.momentum
+        if module.num_batches_tracked is not None:
+            module.num_batches_tracked.add_(1)
+            factor = 1.0 / float(module.num_batches_tracked) if module.momentum is None else module.momentum
+        out = _BatchNormKeepsOutput.apply(x, module.weight, module.bias, module.running_mean, module.running_var,
+                                          factor, module.eps)
+        setattr(out, _FROM_VARIANT_BN, True)
+        return out
+
+    return forward
+
+
+def _activation_forward(module: nn.Module, original):
+    low, high = _bounds(module)
+
+    @functools.wraps(original)
+    def forward(y: torch.Tensor) -> torch.Tensor:
+        if not (getattr(y, _FROM_VARIANT_BN, False) and torch.is_grad_enabled()):
+            return original(y)
+        r = _ActivationKeepsInput.apply(y, low, high)
+        setattr(r, _RECOMPUTE_FROM, (y, low, high))
+        return r
+
+    return forward
+
+
+def _conv_forward(module: nn.Module, original):
+    @functools.wraps(original)
+    def forward(r: torch.Tensor) -> torch.Tensor:
+        source = getattr(r, _RECOMPUTE_FROM, None)
+        if source is None or not torch.is_grad_enabled():
+            return original(r)
+        y, low, high = source
+        return _ConvRecomputesInput.apply(r, y, low, high, module, module.weight, module.bias)
+
+    return forward
+
+
+_WRAPPERS = {"bn": _batchnorm_forward, "activation": _activation_forward, "conv": _conv_forward}
+
+
+def install_variants(model: nn.Module, sites: Iterable[VariantSite]) -> None:
+    """Install each site's variant on its BatchNorm, activation and convolution modules."""
+    modules = dict(model.named_modules())
+    for site in sites:
+        for role, path in site.roles():
+            module = modules.get(path)
+            if module is None:
+                raise FingerprintError(f"schedule variant at '{site.bn_module}' names '{path}', which is not a "
+                                       "module of this model (the schedule was made for another model)")
+            problem = _module_problem(role, module)
+            if problem:
+                raise FingerprintError(f"schedule variant at '{site.bn_module}': '{path}' {problem}")
+            install_on(role, module)
+
+
+def install_on(role: str, module: nn.Module) -> None:
+    """Make ``module`` run its part (``bn``, ``activation`` or ``conv``) of the variant."""
+    if getattr(module, "_monet_variant", None) is None:
+        module.forward = _WRAPPERS[role](module, module.forward)
+        module._monet_variant = role
+
+
+def _module_problem(role: str, module: nn.Module) -> str:
+    """Why ``module`` cannot take ``role`` in a variant ("" when it can)."""
+    if role == "bn":
+        if not isinstance(module, nn.modules.batchnorm._BatchNorm) or not module.affine:
+            return "is not a BatchNorm with weight and bias"
+    elif role == "activation":
+        if not isinstance(module, (nn.ReLU, nn.Hardtanh)):
+            return "is not a ReLU, ReLU6 or Hardtanh module"
+    elif not isinstance(module, nn.modules.conv._ConvNd) or module.transposed or module.padding_mode != "zeros":
+        return "is not a zero-padded convolution"
+    return ""
+
+
+def variant_ready(model: nn.Module, site: VariantSite) -> str:
+    """Why ``site`` cannot run its variant on ``model`` as it is now ("" when it can)."""
+    modules = dict(model.named_modules())
+    for role, path in site.roles():
+        module = modules.get(path)
+        if module is None:
+            return f"'{path}' is not a module of this model"
+        problem = _module_problem(role, module)
+        if problem:
+            return f"'{path}' {problem}"
+    if bn_weight_too_small(modules[site.bn_module]):
+        return f"'{site.bn_module}' has a weight below {MIN_BN_WEIGHT} in magnitude"
+    return ""

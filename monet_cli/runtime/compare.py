@@ -210,6 +210,12 @@ def _checked_first_steps(schedule: Schedule, device: torch.device) -> tuple[Work
                                         nondeterministic=reason)
 
 
+def check_gradients(schedule: Schedule, device: torch.device) -> CheckResult:
+    """The first step of the scheduled and the unmodified model compared, as ``apply --check`` does."""
+    configure_cuda(device)
+    return _checked_first_steps(schedule, device)[2]
+
+
 def _variants_check(schedule: Schedule, first_base: dict, first_sched: dict, *, nondeterministic: str = "") -> CheckResult:
     rtol, atol = schedule.tolerance()  # type: ignore[misc]
     return compare(first_base, first_sched, mode="variants", rtol=rtol, atol=atol, nondeterministic=nondeterministic,

@@ -52,8 +52,8 @@ class _BatchNormKeepsOutput(torch.autograd.Function):
     def backward(ctx, grad):
         out, weight, bias, mean, invstd = ctx.saved_tensors
         shape = (1, -1) + (1,) * (out.dim() - 2)
-        # The input, rebuilt: y = (x - mean) * invstd * w + b.
-        x = (out - bias.view(shape)).div_(weight.view(shape)).div_(invstd.view(shape)).add_(mean.view(shape))
+        # The input, rebuilt in one temporary: y = (x - mean) * invstd * w + b.
+        x = (out - bias.view(shape)).mul_((1.0 / (weight * invstd)).view(shape)).add_(mean.view(shape))
         mask = [ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]]
         gx, gw, gb = torch.ops.aten.native_batch_norm_backward(
             grad.contiguous(), x, weight, None, None, mean, invstd, True, ctx.eps, mask)

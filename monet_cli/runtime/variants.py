@@ -52,11 +52,16 @@ class _BatchNormKeepsOutput(torch.autograd.Function):
     def backward(ctx, grad):
         out, weight, bias, mean, invstd = ctx.saved_tensors
         shape = (1, -1) + (1,) * (out.dim() - 2)
-        # The input, rebuilt in one temporary: y = (x - mean) * invstd * w + b.
-        x = (out - bias.view(shape)).mul_((1.0 / (weight * invstd)).view(shape)).add_(mean.view(shape))
+        # PyTorch's backward reads the input only as the normalised x_hat = (x - mean) * invstd,
+        # which is (y - b) / w: rebuilt in one pass, and given to it with mean 0, invstd 1 and
+        # the weight w * invstd, its gradients are those of the input (the weight's and the
+        # bias's do not depend on the weight passed).
+        scale = weight.reciprocal()
+        x_hat = torch.addcmul((-bias * scale).view(shape), out, scale.view(shape))
         mask = [ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]]
         gx, gw, gb = torch.ops.aten.native_batch_norm_backward(
-            grad.contiguous(), x, weight, None, None, mean, invstd, True, ctx.eps, mask)
+            grad.contiguous(), x_hat, weight * invstd, None, None, torch.zeros_like(mean), torch.ones_like(invstd),
+            True, ctx.eps, mask)
         return gx, gw, gb, None, None, None, None
 
 

@@ -91,8 +91,8 @@ def run_workload(name: str, device: torch.device, *, repeats: int, time_limit: f
             row["check"] = {"ok": check.ok, "mode": check.mode, "rtol": check.rtol, "atol": check.atol,
                             "max_relative_diff": check.max_relative_diff, "buffers_match": check.buffers_match}
         points.append(row)
-    sites = [{"bn": v.bn_module, "time_ms": v.time_ms, "saves_bytes": v.native_saved_bytes - v.saved_bytes}
-             for v in profile.variants]
+    sites = [{"impl": v.impl, "module": v.module, "time_ms": v.time_ms,
+              "saves_bytes": v.native_saved_bytes - v.saved_bytes} for v in profile.variants]
     return {
         "workload": name, "device": device.type, "device_name": profile.device.name,
         "spec": {"model": spec.target, "batch_size": spec.batch_size, "inputs": [list(i.shape) for i in spec.inputs]},

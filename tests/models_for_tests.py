@@ -227,3 +227,13 @@ def bn_chain_net(width: int = 8, num_classes: int = 5) -> nn.Module:
         nn.Conv2d(width, width, 1, bias=False), nn.BatchNorm2d(width), nn.ReLU(),
         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(width, num_classes),
     )
+
+
+def pool_net(width: int = 8, num_classes: int = 5) -> nn.Module:
+    """ResNet's stem: Conv-BN-ReLU, a 3x3 stride-2 max-pooling (a variant site), then a conv
+    and a linear head: input [N, 3, H, W]."""
+    return nn.Sequential(
+        nn.Conv2d(3, width, 3, padding=1, bias=False), nn.BatchNorm2d(width), nn.ReLU(inplace=True),
+        nn.MaxPool2d(3, stride=2, padding=1), nn.Conv2d(width, width, 3, padding=1), nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(width, num_classes),
+    )

@@ -37,10 +37,10 @@ def chain_profile():
 
 
 def test_sites_are_the_batchnorms_feeding_an_activation_feeding_convolutions(chain_profile):
-    sites = [(v.bn_module, v.activation_module, v.conv_modules) for v in chain_profile.variants]
+    sites = [(v.impl, v.modules) for v in chain_profile.variants]
     # The third BatchNorm's ReLU feeds a pooling, not a convolution: no site.
-    assert sites == [("1", "2", ("3",)), ("4", "5", ("6",))]
-    assert [s.bn for s in find_sites(chain_profile)] == [v.bn for v in chain_profile.variants]
+    assert sites == [("bn_output", ("1", "2", "3")), ("bn_output", ("4", "5", "6"))]
+    assert [s.ops for s in find_sites(chain_profile)] == [v.ops for v in chain_profile.variants]
 
 
 def test_the_profile_measures_what_each_variant_keeps(chain_profile):
@@ -89,7 +89,7 @@ def test_variant_rows_add_up_exactly_in_the_linear_model(resnet18_profile):
 def test_a_variant_is_never_run_with_a_segment_that_moves_its_tensors(resnet18_profile):
     model = SegmentModel(resnet18_profile)
     site = resnet18_profile.variants[0]
-    block = next(c.index for c in resnet18_profile.calls if c.fqn == site.bn_module.rsplit(".", 1)[0])
+    block = next(c.index for c in resnet18_profile.calls if c.fqn == site.module.rsplit(".", 1)[0])
     assert block in model.variant_conflicts[0]
     with pytest.raises(ValueError, match="change the same tensors"):
         simulate(resnet18_profile, {block: frozenset()}, model=model, variants=frozenset({0}))
@@ -134,8 +134,7 @@ def find_sites_for(bn: torch.nn.Module):
     from monet_cli.core.profile import VariantSite
 
     model = torch.nn.Sequential(bn, torch.nn.ReLU(), torch.nn.Conv2d(4, 4, 1))
-    return model, VariantSite(bn=1, activation=2, convs=(3,), bn_module="0", activation_module="1",
-                              conv_modules=("2",))
+    return model, VariantSite(impl="bn_output", ops=(1, 2, 3), modules=("0", "1", "2"))
 
 
 def test_schedules_record_variants_and_refuse_one_inside_a_segment(chain_profile):
@@ -182,3 +181,28 @@ def test_cli_solve_inspect_and_no_variants(chain_profile, tmp_path, monkeypatch)
     assert plain.exit_code == 3 and "below the smallest peak" in plain.stderr, plain.output
     loose = runner.invoke(app, ["solve", str(path), "--budget", "100%", "--no-variants", "--json", "-o", "loose.yaml"])
     assert json.loads(loose.stdout)["variants"] == 0 and json.loads(loose.stdout)["tolerance"] is None
+
+
+@pytest.fixture(scope="module")
+def pool_profile():
+    return profile_model(small_spec("tests.models_for_tests:pool_net", shape=(3, 32, 32), batch_size=4), CPU, steps=1)
+
+
+def test_a_max_pooling_keeps_one_byte_offsets_and_stays_bit_exact(pool_profile):
+    (site,) = pool_profile.variants  # the BatchNorm's ReLU feeds the pooling: no bn_output site
+    assert (site.impl, site.modules) == ("maxpool_offsets", ("3",))
+    pooled = 4 * 8 * 16 * 16
+    assert site.saved_bytes == pooled  # uint8 offsets, where PyTorch keeps the input and int64 indices
+    assert site.native_saved_bytes == pooled * 8 + 4 * pooled * 4
+    schedule = build_schedule(pool_profile, {}, budget_bytes=pool_profile.baseline.peak_bytes, budget_spec="100%",
+                              solver=INFO, profile_sha256="", variants=frozenset({0}))
+    assert schedule.tolerance() is None and schedule.variants[0].rtol == 0.0
+    report = run_apply(schedule, CPU, steps=1, check=True)
+    assert report.measured_peak_bytes == schedule.predicted.peak_bytes
+    assert report.check.mode == "exact" and report.check.ok and report.check.max_grad_diff == 0.0
+    # Through the rest of the forward the step holds one byte per pooled value, not eight
+    # (the input stays: the ReLU keeps it). This small model peaks in its optimizer step.
+    last = len(pool_profile.ops) - 1
+    before = dict(simulate(pool_profile, {}, timeline=True).timeline)[last]
+    after = dict(simulate(pool_profile, {}, variants=frozenset({0}), timeline=True).timeline)[last]
+    assert before - after == pooled * 8 - pooled

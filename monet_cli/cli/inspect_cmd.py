@@ -81,7 +81,7 @@ def profile_report(profile: Profile, path: Path) -> dict[str, Any]:
 def _variant_row(site: Any, measured: Any | None) -> dict[str, Any]:
     """One operator variant: where it runs and, from the profile's measurement, what it saves."""
     return {
-        "impl": site.impl, "bn": site.bn_module, "activation": site.activation_module, "convs": list(site.conv_modules),
+        "impl": site.impl, "module": site.module, "modules": list(site.modules),
         "saves_bytes": None if measured is None else measured.native_saved_bytes - measured.saved_bytes,
         "time_ms": site.time_ms,
     }
@@ -91,7 +91,7 @@ def schedule_report(schedule: Schedule, path: Path, profile: Profile | None) -> 
     nested_in = schedule.nested_in()
     model = None if profile is None else SegmentModel(profile)
     saved = _saved_ops(schedule, model)
-    measured = {} if profile is None else {v.bn: v for v in profile.variants}
+    measured = {} if profile is None else {(v.impl, v.ops): v for v in profile.variants}
     segments = [
         {"module": s.module, "nested_in": nested_in.get(s.module), "ops": s.end_op - s.first_op,
          "recompute_ms": s.recompute_ms,
@@ -104,7 +104,7 @@ def schedule_report(schedule: Schedule, path: Path, profile: Profile | None) -> 
         "device_type": schedule.fingerprint.device_type, "env": asdict(schedule.env),
         "budget_bytes": schedule.budget_bytes, "budget_spec": schedule.budget_spec,
         "predicted": asdict(schedule.predicted), "solver": asdict(schedule.solver), "segments": segments,
-        "variants": [_variant_row(v, measured.get(v.bn)) for v in schedule.variants],
+        "variants": [_variant_row(v, measured.get((v.impl, v.ops))) for v in schedule.variants],
         "tolerance": schedule.tolerance(),
         "top_memory_at_peak": None,
     }

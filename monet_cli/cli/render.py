@@ -130,12 +130,18 @@ def schedule_table(schedule: Schedule, path: str) -> Table:
     return table
 
 
+VARIANT_NAMES = {"bn_output": "output-keeping BatchNorm", "maxpool_offsets": "max-pool keeping offsets"}
+
+
 def _variants_line(schedule: Schedule) -> str:
+    counts: dict[str, int] = {}
+    for v in schedule.variants:
+        counts[VARIANT_NAMES.get(v.impl, v.impl)] = counts.get(VARIANT_NAMES.get(v.impl, v.impl), 0) + 1
+    listed = ", ".join(f"{n} {name}" for name, n in counts.items()) or "none"
     tolerance = schedule.tolerance()
     if tolerance is None:
-        return "none (gradients bit-exact)"
-    return (f"{len(schedule.variants)} output-keeping BatchNorms (gradients within rtol {tolerance[0]:g}, "
-            f"atol {tolerance[1]:g} x the largest gradient)")
+        return f"{listed} (gradients bit-exact)"
+    return f"{listed} (gradients within rtol {tolerance[0]:g}, atol {tolerance[1]:g} x the largest gradient)"
 
 
 def print_pairs(title: str, data: dict[str, Any]) -> None:
@@ -181,14 +187,14 @@ def inspect_tables(report: dict[str, Any]) -> None:
         console.print(seg)
     variants = report.get("variants") or report.get("variant_sites")
     if variants:
-        title = "operator variants (output-keeping BatchNorm)" + (
-            "" if report["kind"] == "monet.schedule" else ": where the solver may choose one")
+        title = "operator variants" + ("" if report["kind"] == "monet.schedule" else ": where the solver may choose one")
         table = Table(title=title, title_justify="left")
-        for column in ("BatchNorm", "activation", "convolutions", "saves", "time"):
+        for column in ("variant", "module", "with", "saves", "time"):
             table.add_column(column)
         for v in variants:
             saves = "-" if v["saves_bytes"] is None else format_bytes(v["saves_bytes"])
-            table.add_row(v["bn"], v["activation"], ", ".join(v["convs"]), saves, f"{v['time_ms']:+.2f} ms")
+            table.add_row(VARIANT_NAMES.get(v["impl"], v["impl"]), v["module"], ", ".join(v["modules"][1:]) or "-",
+                          saves, f"{v['time_ms']:+.2f} ms")
         console.print(table)
     if report.get("not_checkpointable"):
         blocked = Table(title="module calls monet will not checkpoint", title_justify="left")

@@ -54,12 +54,12 @@ def plan_of(schedule: Schedule) -> Plan:
 
 
 def variants_of(schedule: Schedule, profile: Profile) -> Variants:
-    """The schedule's variants as indices into ``profile.variants`` (matched by BatchNorm op)."""
-    index_of = {record.bn: i for i, record in enumerate(profile.variants)}
-    missing = [v.bn_module for v in schedule.variants if v.bn not in index_of]
+    """The schedule's variants as indices into ``profile.variants`` (matched by kind and ops)."""
+    index_of = {(record.impl, record.ops): i for i, record in enumerate(profile.variants)}
+    missing = [v.module for v in schedule.variants if (v.impl, v.ops) not in index_of]
     if missing:
         raise ValueError(f"the profile offers no variant at '{missing[0]}', which the schedule runs")
-    return frozenset(index_of[v.bn] for v in schedule.variants)
+    return frozenset(index_of[(v.impl, v.ops)] for v in schedule.variants)
 
 
 def predicted(profile: Profile, result: SimResult) -> Predicted:

@@ -221,22 +221,31 @@ class BackwardOp:
     """As ``OpRecord.workspace_bytes``."""
 
 
+VARIANT_ROLES = {"bn_output": ("bn", "activation", "conv"), "maxpool_offsets": ("maxpool",)}
+"""Per operator variant, the part each of its ops plays (the last role repeats for the rest)."""
+
+
 @flow_row
 @dataclass(frozen=True, kw_only=True, slots=True)
 class VariantSite:
-    impl: Literal["bn_output"] = "bn_output"
-    bn: int
-    """Forward op index of the BatchNorm."""
-    activation: int
-    convs: tuple[int, ...]
-    bn_module: str
-    activation_module: str
-    conv_modules: tuple[str, ...]
+    impl: Literal["bn_output", "maxpool_offsets"]
+    ops: tuple[int, ...]
+    """Forward op indices it changes; the first names the site (the BatchNorm, the pooling)."""
+    modules: tuple[str, ...]
+    """Module path running each of ``ops``."""
+
+    @property
+    def op(self) -> int:
+        return self.ops[0]
+
+    @property
+    def module(self) -> str:
+        return self.modules[0]
 
     def roles(self) -> list[tuple[str, str]]:
         """(role, module path) of every module the variant runs in."""
-        return [("bn", self.bn_module), ("activation", self.activation_module)] + [
-            ("conv", path) for path in self.conv_modules]
+        roles = VARIANT_ROLES[self.impl]
+        return [(roles[min(k, len(roles) - 1)], path) for k, path in enumerate(self.modules)]
 
 
 @flow_row

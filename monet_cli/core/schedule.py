@@ -9,7 +9,8 @@ Schema 2 lists one decision per line, each with its ``kind``:
   the op by its aten overload and its occurrence among ops of that overload inside the
   segment: the key selective activation checkpointing uses;
 - ``variant``: an operator variant outside every segment (``monet_cli/core/variants.py``):
-  the modules it runs in, its measured time and the tolerance its gradients are held to.
+  its kind, the ops and modules it runs in, its measured time and the tolerance its
+  gradients are held to (0 for a bit-exact one).
 
 A new kind of decision (an offload) is one more record type here.
 Schema 1 files (segments holding keep/recompute lists) are read and migrated.
@@ -145,7 +146,7 @@ class Schedule(_Header):
 
     def tolerance(self) -> tuple[float, float] | None:
         """(rtol, atol) the gradients are held to: the loosest of its variants', None when exact."""
-        if not self.variants:
+        if not any(v.rtol or v.atol for v in self.variants):
             return None
         return max(v.rtol for v in self.variants), max(v.atol for v in self.variants)
 
@@ -228,15 +229,15 @@ def _nesting_problem(schedule: Schedule) -> str:
 
 
 def _variant_problem(schedule: Schedule) -> str:
-    """A variant runs outside every segment, and at most once per BatchNorm."""
-    seen = set()
+    """A variant runs outside every segment, and changes an op at most once."""
+    seen: set[int] = set()
     for v in schedule.variants:
-        if v.bn in seen:
-            return f"decisions: the variant at '{v.bn_module}' is listed twice"
-        seen.add(v.bn)
+        if seen.intersection(v.ops):
+            return f"decisions: the variant at '{v.module}' changes an op another variant changes"
+        seen.update(v.ops)
         for s in schedule.segments:
-            if any(s.first_op <= op < s.end_op for op in (v.bn, v.activation, *v.convs)):
-                return f"decisions: the variant at '{v.bn_module}' runs inside segment '{s.module}'"
+            if any(s.first_op <= op < s.end_op for op in v.ops):
+                return f"decisions: the variant at '{v.module}' runs inside segment '{s.module}'"
     return ""
 
 

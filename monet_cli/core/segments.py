@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from functools import cached_property
 
 from monet_cli.core.profile import Profile
-from monet_cli.core.variants import site_storages, with_variants
+from monet_cli.core.variants import changed_storages, with_variants
 
 # Ops selective checkpointing never caches (torch.utils.checkpoint.SAC_IGNORED_OPS),
 # written out here so the core stays free of torch.
@@ -96,14 +96,9 @@ class SegmentModel:
         return self._variant_models[chosen]
 
     @cached_property
-    def variant_storages(self) -> dict[int, tuple[int, int, int]]:
-        """Variant index -> the storages it changes: the BatchNorm's input and output and the
-        activation's output."""
-        found = {}
-        for index, site in enumerate(self.profile.variants):
-            at = site_storages(self.profile, site)
-            found[index] = (at.bn_input, at.bn_output, at.activation_output)
-        return found
+    def variant_storages(self) -> dict[int, tuple[int, ...]]:
+        """Variant index -> the profile's storages whose lifetime it can change."""
+        return {index: changed_storages(self.profile, site) for index, site in enumerate(self.profile.variants)}
 
     @cached_property
     def variant_conflicts(self) -> dict[int, tuple[int, ...]]:

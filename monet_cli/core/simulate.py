@@ -157,7 +157,7 @@ def _check_variants(model: SegmentModel, plan: Plan, variants: Variants) -> None
         clash = [call for call in model.variant_conflicts[index] if call in plan]
         if clash:
             site = model.profile.variants[index]
-            raise ValueError(f"the variant at {site.bn_module!r} and segment {model.segments[clash[0]].fqn!r} "
+            raise ValueError(f"the variant at {site.module!r} and segment {model.segments[clash[0]].fqn!r} "
                              "change the same tensors")
 
 

@@ -1,7 +1,7 @@
 """Measure each operator variant where it applies: the bytes it keeps, the time it costs.
 
-Each site (a BatchNorm, its activation, the convolutions after it) runs alone on copies of
-its modules, at the shapes of the profiled step, on the profiled device: once as PyTorch
+Each site (a BatchNorm, its activation and the convolutions after it; a max-pooling) runs
+alone on copies of its modules, at the shapes of the profiled step, on the profiled device: once as PyTorch
 runs it and once as the variant, forward and backward, interleaved, timed by medians. The
 tensors autograd keeps are counted with saved-tensor hooks (each storage once, parameters
 apart). Nothing is taken from a formula: the simulator's rewrite of the profile says where
@@ -20,7 +20,7 @@ from torch import nn
 
 from monet_cli.core.profile import VariantRecord, VariantSite
 from monet_cli.runtime.meter import storage_key
-from monet_cli.runtime.variants import install_on, variant_ready
+from monet_cli.runtime.variants import install_on, offset_dtype, variant_ready
 from monet_cli.workload.step import Workload
 
 REPEATS = 5
@@ -33,14 +33,16 @@ def measure_variants(workload: Workload, sites: list[VariantSite]) -> tuple[Vari
     ready = [site for site in sites if not variant_ready(workload.model, site)]
     if not ready:
         return ()
-    shapes = _bn_input_shapes(workload, [site.bn_module for site in ready])
+    shapes = _input_shapes(workload, [site.module for site in ready])
     modules = dict(workload.model.named_modules())
     records = []
     for site in ready:
+        if site.impl == "maxpool_offsets" and offset_dtype(modules[site.module], shapes[site.module][-1]) is None:
+            continue  # rows too wide for an int16 offset
         native = _SiteModules(site, modules)
         variant = _SiteModules(site, modules)
         variant.install()
-        x = torch.randn(shapes[site.bn_module], device=workload.device, dtype=torch.float32)
+        x = torch.randn(shapes[site.module], device=workload.device, dtype=torch.float32)
         native_bytes, variant_bytes = native.saved_bytes(x), variant.saved_bytes(x)
         native_ms, variant_ms = _interleaved_ms(native.run, variant.run, x, workload)
         records.append(VariantRecord(
@@ -54,26 +56,29 @@ class _SiteModules:
     """Copies of one site's modules, run as the model runs them."""
 
     def __init__(self, site: VariantSite, modules: dict[str, nn.Module]) -> None:
-        self.bn = copy.deepcopy(modules[site.bn_module])
-        self.act = copy.deepcopy(modules[site.activation_module])
-        self.convs = [copy.deepcopy(modules[path]) for path in site.conv_modules]
+        self.roles = [(role, copy.deepcopy(modules[path])) for role, path in site.roles()]
 
     def install(self) -> None:
-        install_on("bn", self.bn)
-        install_on("activation", self.act)
-        for conv in self.convs:
-            install_on("conv", conv)
+        for role, module in self.roles:
+            install_on(role, module)
 
     def run(self, x: torch.Tensor) -> None:
         self.forward(x).backward()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        r = self.act(self.bn(x.requires_grad_()))
-        return sum(conv(r).sum() for conv in self.convs)  # type: ignore[return-value]
+        """The first module on ``x``, the second on its output, the rest on the second's (a
+        BatchNorm, its activation, the convolutions after it; or a pooling alone)."""
+        modules = [module for _, module in self.roles]
+        y = modules[0](x.requires_grad_())
+        if len(modules) > 1:
+            y = modules[1](y)
+        if len(modules) > 2:
+            return sum(conv(y).sum() for conv in modules[2:])  # type: ignore[return-value]
+        return y.sum()
 
     def saved_bytes(self, x: torch.Tensor) -> int:
         """Bytes of the activations autograd keeps for this site's backward."""
-        params = {storage_key(t) for m in (self.bn, self.act, *self.convs) for t in (*m.parameters(), *m.buffers())}
+        params = {storage_key(t) for _, m in self.roles for t in (*m.parameters(), *m.buffers())}
         kept: dict[int, int] = {}
 
         def pack(tensor: torch.Tensor) -> torch.Tensor:
@@ -88,9 +93,9 @@ class _SiteModules:
         return sum(kept.values())
 
 
-def _bn_input_shapes(workload: Workload, paths: list[str]) -> dict[str, torch.Size]:
-    """The input shape of each BatchNorm in ``paths``, from one eval-mode forward (which
-    changes no running statistics)."""
+def _input_shapes(workload: Workload, paths: list[str]) -> dict[str, torch.Size]:
+    """The input shape of each module in ``paths``, from one eval-mode forward (which changes
+    no BatchNorm statistics)."""
     shapes: dict[str, torch.Size] = {}
     modules = dict(workload.model.named_modules())
     handles = [modules[path].register_forward_pre_hook(_shape_hook(shapes, path)) for path in paths]

@@ -64,7 +64,7 @@ def apply_schedule(model: nn.Module, schedule: Schedule | str | Path, *, check_f
         keep = frozenset((k.op, k.occurrence) for k in schedule.kept_in(segment.module))
         _wrap_forward(module, keep, marker)
         _guard_batchnorms(module)
-    install_variants(model, schedule.variants)
+    install_variants(model, schedule.variants, marker)
     if check_fingerprint:
         FirstForwardCheck(model, schedule.fingerprint, marker).install()
     setattr(model, _APPLIED, schedule)

@@ -1,6 +1,14 @@
 """Operator variants: autograd functions that keep other tensors for backward than PyTorch's.
 
-One variant exists today, chosen per BatchNorm by the solver: ``bn_output``. Where a
+Two exist, chosen per site by the solver (``monet_cli/core/variants.py`` finds the sites).
+
+``maxpool_offsets``: a max-pooling keeps, instead of its input and its int64 indices, each
+maximum's offset from its window's first element (uint8, or int16 for wide rows), and
+rebuilds the indices from them in backward for PyTorch's own backward kernel: bit-exact,
+and 1/8 (or 1/4) of the indices' bytes. Its narrowing runs as machinery (the fingerprint
+check and the timeline skip those ops; the memory meter counts them).
+
+``bn_output``: where a
 BatchNorm's output y feeds only an activation (ReLU, ReLU6, Hardtanh) whose output r feeds
 only convolutions, PyTorch keeps the conv output before the BatchNorm (its input) and r
 (saved by the activation and by every convolution). With the variant
@@ -24,6 +32,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -167,29 +176,109 @@ def _conv_forward(module: nn.Module, original):
     return forward
 
 
-_WRAPPERS = {"bn": _batchnorm_forward, "activation": _activation_forward, "conv": _conv_forward}
+class _MaxPoolKeepsOffsets(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, pool: nn.MaxPool2d, offset_dtype, machinery):
+        geometry = _pool_geometry(pool)
+        out, indices = torch.ops.aten.max_pool2d_with_indices(x, *geometry)
+        with machinery:
+            offsets = (indices - _window_origins(x.shape[-1], out.shape[-2:], geometry, x.device)).to(offset_dtype)
+        ctx.save_for_backward(offsets)
+        ctx.geometry, ctx.input = geometry, (x.shape, x.dtype)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        (offsets,) = ctx.saved_tensors
+        shape, dtype = ctx.input
+        indices = offsets.to(torch.int64).add_(_window_origins(shape[-1], grad.shape[-2:], ctx.geometry, grad.device))
+        # The kernel reads the input's shape only: a zero-byte stand-in of it.
+        like = torch.empty((), dtype=dtype, device=grad.device).expand(shape)
+        gx = torch.ops.aten.max_pool2d_with_indices_backward(grad, like, *ctx.geometry, indices)
+        return gx, None, None, None
 
 
-def install_variants(model: nn.Module, sites: Iterable[VariantSite]) -> None:
-    """Install each site's variant on its BatchNorm, activation and convolution modules."""
+def _pool_geometry(pool: nn.MaxPool2d) -> tuple:
+    """(kernel, stride, padding, dilation, ceil_mode) as max_pool2d_with_indices takes them."""
+    pair = torch.nn.modules.utils._pair
+    stride = pool.stride if pool.stride is not None else pool.kernel_size
+    return pair(pool.kernel_size), pair(stride), pair(pool.padding), pair(pool.dilation), pool.ceil_mode
+
+
+def _window_origins(width: int, out_hw: tuple[int, int], geometry: tuple, device: torch.device) -> torch.Tensor:
+    """Flat index of each output's window corner in its input plane (may be below zero: padding)."""
+    _, (sh, sw), (ph, pw), _, _ = geometry
+    rows = torch.arange(out_hw[0], device=device).mul_(sh * width).sub_(ph * width + pw)
+    return rows[:, None] + torch.arange(out_hw[1], device=device).mul_(sw)
+
+
+def offset_dtype(pool: nn.MaxPool2d, width: int) -> torch.dtype | None:
+    """The narrowest integer holding every offset inside a window of rows ``width`` wide."""
+    (kh, kw), _, _, (dh, dw), _ = _pool_geometry(pool)
+    largest = (kh - 1) * dh * width + (kw - 1) * dw
+    return torch.uint8 if largest < 2**8 else torch.int16 if largest < 2**15 else None
+
+
+class _NoMachinery:
+    """Stands in for the executor's machinery flag where none is watching (measurements)."""
+
+    depth = 0
+
+
+class _Machinery:
+    """Raises ``flag.depth`` for the block: its ops are bookkeeping, not the model's."""
+
+    def __init__(self, flag: Any) -> None:
+        self.flag = flag
+
+    def __enter__(self) -> None:
+        self.flag.depth += 1
+
+    def __exit__(self, *exc: object) -> None:
+        self.flag.depth -= 1
+
+
+def _maxpool_forward(module: nn.MaxPool2d, original, machinery: Any):
+    @functools.wraps(original)
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        dtype = offset_dtype(module, x.shape[-1])
+        if dtype is None or module.return_indices or x.dim() != 4 or not torch.is_grad_enabled():
+            return original(x)
+        return _MaxPoolKeepsOffsets.apply(x, module, dtype, _Machinery(machinery))
+
+    return forward
+
+
+_WRAPPERS = {"bn": _batchnorm_forward, "activation": _activation_forward, "conv": _conv_forward,
+             "maxpool": _maxpool_forward}
+
+
+def install_variants(model: nn.Module, sites: Iterable[VariantSite], machinery: Any = None) -> None:
+    """Install each site's variant on the modules it runs in. ``machinery`` is the executor's
+    flag for ops that are not the model's own (a variant's bookkeeping)."""
     modules = dict(model.named_modules())
     for site in sites:
         for role, path in site.roles():
             module = modules.get(path)
             if module is None:
-                raise FingerprintError(f"schedule variant at '{site.bn_module}' names '{path}', which is not a "
+                raise FingerprintError(f"schedule variant at '{site.module}' names '{path}', which is not a "
                                        "module of this model (the schedule was made for another model)")
             problem = _module_problem(role, module)
             if problem:
-                raise FingerprintError(f"schedule variant at '{site.bn_module}': '{path}' {problem}")
-            install_on(role, module)
+                raise FingerprintError(f"schedule variant at '{site.module}': '{path}' {problem}")
+            install_on(role, module, machinery)
 
 
-def install_on(role: str, module: nn.Module) -> None:
-    """Make ``module`` run its part (``bn``, ``activation`` or ``conv``) of the variant."""
-    if getattr(module, "_monet_variant", None) is None:
-        module.forward = _WRAPPERS[role](module, module.forward)
-        module._monet_variant = role
+def install_on(role: str, module: nn.Module, machinery: Any = None) -> None:
+    """Make ``module`` run its part (``bn``, ``activation``, ``conv``, ``maxpool``) of a variant."""
+    if getattr(module, "_monet_variant", None) is not None:
+        return
+    wrap = _WRAPPERS[role]
+    if role == "maxpool":
+        module.forward = wrap(module, module.forward, machinery or _NoMachinery())
+    else:
+        module.forward = wrap(module, module.forward)
+    module._monet_variant = role
 
 
 def _module_problem(role: str, module: nn.Module) -> str:
@@ -200,6 +289,9 @@ def _module_problem(role: str, module: nn.Module) -> str:
     elif role == "activation":
         if not isinstance(module, (nn.ReLU, nn.Hardtanh)):
             return "is not a ReLU, ReLU6 or Hardtanh module"
+    elif role == "maxpool":
+        if not isinstance(module, nn.MaxPool2d) or module.return_indices:
+            return "is not a MaxPool2d returning its output alone"
     elif not isinstance(module, nn.modules.conv._ConvNd) or module.transposed or module.padding_mode != "zeros":
         return "is not a zero-padded convolution"
     return ""
@@ -215,6 +307,6 @@ def variant_ready(model: nn.Module, site: VariantSite) -> str:
         problem = _module_problem(role, module)
         if problem:
             return f"'{path}' {problem}"
-    if bn_weight_too_small(modules[site.bn_module]):
-        return f"'{site.bn_module}' has a weight below {MIN_BN_WEIGHT} in magnitude"
+    if site.impl == "bn_output" and bn_weight_too_small(modules[site.module]):
+        return f"'{site.module}' has a weight below {MIN_BN_WEIGHT} in magnitude"
     return ""

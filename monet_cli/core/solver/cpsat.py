@@ -3,7 +3,7 @@
 Variables: ``seg[c]`` checkpoints module call c; ``keep[c,i]`` keeps op i's output
 inside segment c (selective checkpointing) so it is not recomputed; ``nest[o,n]`` runs
 segment n nested inside segment o; ``variant[v]`` runs operator variant v (an output-keeping
-BatchNorm and what follows it).
+BatchNorm and what follows it, a max-pooling keeping offsets).
 Constraints: chosen segments overlap only as a nested pair (one inner per outer, two
 levels, neither keeping anything); a keep needs its segment; a variant is never chosen with
 a segment that moves the same tensors; at every point of the step
@@ -148,7 +148,7 @@ def build_model(
 def _add_variants(cp: cp_model.CpModel, model: SegmentModel, v: Variables, offered: tuple[int, ...]) -> None:
     """One choice per offered variant, never with a segment that moves the same tensors."""
     for index in offered:
-        v.variant[index] = cp.new_bool_var(f"variant[{index}:{model.profile.variants[index].bn_module}]")
+        v.variant[index] = cp.new_bool_var(f"variant[{index}:{model.profile.variants[index].module}]")
         for call in model.variant_conflicts[index]:
             cp.add_at_most_one([v.variant[index], v.seg[call]])
 

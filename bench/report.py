@@ -54,17 +54,40 @@ def points_table(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def plot(result: dict[str, Any], path: Path) -> bool:
-    """Draw the trade-off curve; False when matplotlib (the ``bench`` extra) is missing."""
+def _axes() -> tuple[Any, Any] | None:
+    """A new figure and its axes, or None when matplotlib (the ``bench`` extra) is missing."""
     try:
         import matplotlib
     except ImportError:
-        return False
+        return None
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    return plt.subplots(figsize=(7, 4.5))
+
+
+def _save(fig: Any, ax: Any, title: str, path: Path) -> None:
+    """Label the axes of an overhead-vs-peak plot and write it."""
+    import matplotlib.pyplot as plt
+
+    ax.set_xlabel("measured peak memory (MiB)")
+    ax.set_ylabel("step-time overhead vs no checkpointing (%)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot(result: dict[str, Any], path: Path) -> bool:
+    """Draw the trade-off curve; False when matplotlib is missing."""
+    drawn = _axes()
+    if drawn is None:
+        return False
+    fig, ax = drawn
     styles = {"baseline": ("black", "s"), "pytorch": ("tab:orange", "^"), "compile": ("tab:green", "D"),
               "monet": ("tab:blue", "o")}
     for kind, (color, marker) in styles.items():
@@ -78,15 +101,7 @@ def plot(result: dict[str, Any], path: Path) -> bool:
         if kind != "monet":
             for p, x, y in zip(pts, xs, ys):
                 ax.annotate(p["method"], (x, y), fontsize=7, xytext=(4, 3), textcoords="offset points")
-    ax.set_xlabel("measured peak memory (MiB)")
-    ax.set_ylabel("step-time overhead vs no checkpointing (%)")
-    ax.set_title(f"{result['workload']} on {result['device']}: overhead vs peak memory")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(fig, ax, f"{result['workload']} on {result['device']}: overhead vs peak memory", path)
     return True
 
 
@@ -270,30 +285,17 @@ def _variant_findings(result: dict[str, Any]) -> list[str]:
 
 
 def _plot_variants(result: dict[str, Any], path: Path) -> bool:
-    try:
-        import matplotlib
-    except ImportError:
+    drawn = _axes()
+    if drawn is None:
         return False
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = drawn
     base = next(p for p in result["points"] if p["kind"] == "baseline")
     ax.plot([base["peak_bytes"] / MIB], [0.0], marker="s", color="black", linestyle="none", label="no checkpointing")
     for curve, color in zip(VARIANT_CURVES, ("tab:blue", "tab:gray")):
         pts = sorted((p for p in result["points"] if p.get("curve") == curve), key=lambda p: p["peak_bytes"])
         ax.plot([p["peak_bytes"] / MIB for p in pts], [100 * p["overhead"] for p in pts], marker="o", color=color,
                 label=f"monet, {curve}")
-    ax.set_xlabel("measured peak memory (MiB)")
-    ax.set_ylabel("step-time overhead vs no checkpointing (%)")
-    ax.set_title(f"{result['workload']} on {result['device']}: operator variants")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(fig, ax, f"{result['workload']} on {result['device']}: operator variants", path)
     return True
 
 

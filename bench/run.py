@@ -210,11 +210,13 @@ def main(argv: list[str] | None = None) -> int:
                                         compile_budgets=[0.5, 0.1], steps=3))
                 for name in args.workloads.split(",")]
     for workload, options in jobs:
-        result = run_workload(workload, device, **options)
-        path = args.out / f"{workload.name}-{device.type}.json"
-        path.write_text(json.dumps(result, indent=2) + "\n")
-        log(f"wrote {path}")
+        write_result(args.out / f"{workload.name}-{device.type}.json", run_workload(workload, device, **options))
     return 0
+
+
+def write_result(path: Path, result: dict[str, Any]) -> None:
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    log(f"wrote {path}")
 
 
 if __name__ == "__main__":

@@ -16,7 +16,6 @@ statistics bit for bit). Writes bench/results/variants-<workload>-<device>.json;
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -28,7 +27,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench import methods as M  # noqa: E402
-from bench.run import log, measure_eager  # noqa: E402
+from bench.run import log, measure_eager, write_result  # noqa: E402
 from monet_cli.core.plan import solve_schedule  # noqa: E402
 from monet_cli.core.profile import Profile  # noqa: E402
 from monet_cli.core.segments import SegmentModel  # noqa: E402
@@ -107,7 +106,7 @@ def run_workload(name: str, device: torch.device, *, repeats: int, time_limit: f
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--time-limit", type=float, default=60.0)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
@@ -116,9 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     for name in args.workloads.split(","):
         result = run_workload(name, device, repeats=args.repeats, time_limit=args.time_limit, workers=args.workers)
-        path = args.out / f"variants-{name}-{device.type}.json"
-        path.write_text(json.dumps(result, indent=2) + "\n")
-        log(f"wrote {path}")
+        write_result(args.out / f"variants-{name}-{device.type}.json", result)
     return 0
 
 

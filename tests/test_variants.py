@@ -176,6 +176,10 @@ def test_cli_solve_inspect_and_no_variants(chain_profile, tmp_path, monkeypatch)
     report = json.loads(shown.stdout)
     assert report["variants"] and all(v["saves_bytes"] > 0 for v in report["variants"])
     assert report["tolerance"] == [1e-3, 1e-4]
+    checked = runner.invoke(app, ["validate", "v.yaml", "--json"])
+    assert checked.exit_code == 0, checked.output
+    assert {"name": "variant modules", "status": "passed"}.items() <= next(
+        c for c in json.loads(checked.stdout)["checks"] if c["name"] == "variant modules").items()
     plain = runner.invoke(app, ["solve", str(path), "--budget", budget, "--no-variants", "--workers", "1",
                                 "-o", "plain.yaml"])
     assert plain.exit_code == 3 and "below the smallest peak" in plain.stderr, plain.output

@@ -93,6 +93,20 @@ def _segment_modules(schedule: Schedule, workload) -> Check:
     return Check(name="segment modules", status="passed", detail=f"all {len(schedule.segments)} found in the model")
 
 
+def _variant_modules(schedule: Schedule, workload) -> list[Check]:
+    """Each operator variant's modules exist, are of the kinds it runs in, and a BatchNorm's
+    weight is far enough from zero to rebuild its input."""
+    from monet_cli.runtime.variants import variant_ready
+
+    if not schedule.variants:
+        return []
+    problems = [f"{v.module}: {problem}" for v in schedule.variants if (problem := variant_ready(workload.model, v))]
+    if problems:
+        return [Check(name="variant modules", status="failed", detail="; ".join(problems[:3]))]
+    return [Check(name="variant modules", status="passed",
+                  detail=f"all {len(schedule.variants)} variants can run in the model")]
+
+
 def _modules_check(schedule: Schedule, workload) -> Check:
     from monet_cli.runtime.fingerprint import model_modules_hash
 
@@ -115,7 +129,8 @@ def validate(path: Path, model_spec: str | None) -> Validation:
     made_on = schedule.fingerprint.device_type
     here = made_on == "cpu" or torch.cuda.is_available()
     workload = _workload(schedule, model_spec, resolve_device(made_on if here else "cpu"))
-    checks += [_modules_check(schedule, workload), _segment_modules(schedule, workload)]
+    checks += [_modules_check(schedule, workload), _segment_modules(schedule, workload),
+               *_variant_modules(schedule, workload)]
     found = {}
     if here:
         fingerprint = model_fingerprint(workload)

@@ -18,6 +18,9 @@ freed at recorded positions; a schedule moves those events:
   frame instead: the outer recompute makes them again and they live until the inner
   recompute has taken them (and until its own saves of them are released).
 
+Operator variants change the profile itself (``monet_cli/core/variants.py``): a plan with
+variants is the plan simulated on the profile rewritten as if they ran.
+
 On CUDA an op may also take workspace from the allocator while it runs (cuBLAS, cuDNN): it
 is live from the op's allocations until the frees before the next op, in the forward, in
 backward and in every recompute burst that re-runs the op.
@@ -69,7 +72,7 @@ def memory_events(model: SegmentModel, plan: Plan, variants: Variants = frozense
 
 def variant_delta_events(model: SegmentModel, index: int) -> list[tuple[Key, int]]:
     """``memory_events({}, {index})`` minus ``memory_events({})``, from the storages the
-    variant changes and the temporaries its backward nodes add (the others cancel)."""
+    variant changes and those it adds (what it keeps, its temporaries); the others cancel."""
     changed = SegmentModel(with_variants(model.profile, (index,)))
     storages = list(model.variant_storages[index])
     temporaries = range(len(model.profile.storages), len(changed.profile.storages))

@@ -160,7 +160,7 @@ def brute_force_case(case: Case, *, time_limit_s: float, workers: int, log: Call
     lowest = min(peak for peak, _, _ in scored)
     highest = profile.baseline.peak_bytes
     budgets = sorted({lowest + (highest - lowest) * k // N_BUDGETS for k in range(N_BUDGETS)})
-    planner = Planner(model)
+    planner = Planner(model, variants=False)  # the enumeration covers segment plans only
     rows = []
     for budget in budgets:
         fitting = [(ms, us) for peak, ms, us in scored if peak <= budget]

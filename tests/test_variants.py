@@ -210,3 +210,20 @@ def test_a_max_pooling_keeps_one_byte_offsets_and_stays_bit_exact(pool_profile):
     before = dict(simulate(pool_profile, {}, timeline=True).timeline)[last]
     after = dict(simulate(pool_profile, {}, variants=frozenset({0}), timeline=True).timeline)[last]
     assert before - after == pooled * 8 - pooled
+
+
+def test_subclasses_that_do_more_in_their_forward_are_not_offered():
+    """A subclass's forward may do more than the variant replaces: timm's BatchNormAct2d applies
+    its activation, a 'same'-padded convolution pads; neither may run a variant."""
+    from monet_cli.core.profile import VariantSite
+
+    class BatchNormAct(torch.nn.BatchNorm2d):
+        def forward(self, x):
+            return torch.relu(super().forward(x))
+
+    site = VariantSite(impl="bn_output", ops=(1, 2, 3), modules=("0", "1", "2"))
+    for model in (torch.nn.Sequential(BatchNormAct(4), torch.nn.ReLU(), torch.nn.Conv2d(4, 4, 1)),
+                  torch.nn.Sequential(torch.nn.BatchNorm2d(4), torch.nn.ReLU(), torch.nn.Conv2d(4, 4, 3, padding="same"))):
+        assert "is not" in variant_ready(model, site)
+    plain = torch.nn.Sequential(torch.nn.BatchNorm2d(4), torch.nn.ReLU6(), torch.nn.Conv2d(4, 4, 3, padding=1))
+    assert variant_ready(plain, site) == ""

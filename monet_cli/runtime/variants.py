@@ -281,20 +281,27 @@ def install_on(role: str, module: nn.Module, machinery: Any = None) -> None:
     module._monet_variant = role
 
 
+# Exact classes only: a subclass may do more in its forward than the variant replaces (timm's
+# BatchNormAct2d applies its activation, Conv2dSame pads, SyncBatchNorm reduces across ranks).
+_CLASSES = {
+    "bn": ((nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d), "a BatchNorm1d/2d/3d with weight and bias"),
+    "activation": ((nn.ReLU, nn.ReLU6, nn.Hardtanh), "a ReLU, ReLU6 or Hardtanh"),
+    "conv": ((nn.Conv1d, nn.Conv2d, nn.Conv3d), "a Conv1d/2d/3d with numeric zero padding"),
+    "maxpool": ((nn.MaxPool2d,), "a MaxPool2d returning its output alone"),
+}
+
+
 def _module_problem(role: str, module: nn.Module) -> str:
     """Why ``module`` cannot take ``role`` in a variant ("" when it can)."""
+    classes, what = _CLASSES[role]
+    fits = type(module) in classes
     if role == "bn":
-        if not isinstance(module, nn.modules.batchnorm._BatchNorm) or not module.affine:
-            return "is not a BatchNorm with weight and bias"
-    elif role == "activation":
-        if not isinstance(module, (nn.ReLU, nn.Hardtanh)):
-            return "is not a ReLU, ReLU6 or Hardtanh module"
+        fits = fits and module.affine
+    elif role == "conv":
+        fits = fits and module.padding_mode == "zeros" and not isinstance(module.padding, str)
     elif role == "maxpool":
-        if not isinstance(module, nn.MaxPool2d) or module.return_indices:
-            return "is not a MaxPool2d returning its output alone"
-    elif not isinstance(module, nn.modules.conv._ConvNd) or module.transposed or module.padding_mode != "zeros":
-        return "is not a zero-padded convolution"
-    return ""
+        fits = fits and not module.return_indices
+    return "" if fits else f"is not {what} ({type(module).__name__})"
 
 
 def variant_ready(model: nn.Module, site: VariantSite) -> str:

@@ -200,9 +200,11 @@ def render(results: list[dict[str, Any]], quality: dict[str, Any] | None, scale:
     if variants:
         out += ["## Operator variants against checkpointing alone", "",
                 "`bench/variants.py`: one profile per workload, each budget solved with operator variants (the",
-                "output-keeping BatchNorm, `monet solve`'s default) and without (`--no-variants`), every schedule run",
-                "and timed interleaved with the unmodified step in one process; every schedule with variants also",
-                "gets `apply --check`'s gradient comparison.", ""]
+                "output-keeping BatchNorm and the max-pooling keeping offsets; `monet solve`'s default) and without",
+                "(`--no-variants`), every schedule run and timed interleaved with the unmodified step in one process;",
+                "every schedule with variants also gets `apply --check`'s gradient comparison. \"x less",
+                "activations\" = (baseline peak - fixed) / (peak - fixed), fixed = parameters, gradients and optimizer",
+                "state.", ""]
         for result in variants:
             out += variants_section(result, img_dir)
     return "\n".join(out) + "\n"

@@ -227,3 +227,14 @@ def test_subclasses_that_do_more_in_their_forward_are_not_offered():
         assert "is not" in variant_ready(model, site)
     plain = torch.nn.Sequential(torch.nn.BatchNorm2d(4), torch.nn.ReLU6(), torch.nn.Conv2d(4, 4, 3, padding=1))
     assert variant_ready(plain, site) == ""
+
+
+def test_a_profile_without_the_schedules_variants_is_a_usage_error(chain_profile):
+    from monet_cli.errors import UsageError
+
+    every = frozenset(range(len(chain_profile.variants)))
+    schedule = build_schedule(chain_profile, {}, budget_bytes=chain_profile.baseline.peak_bytes, budget_spec="100%",
+                              solver=INFO, profile_sha256="", variants=every)
+    older = dataclasses.replace(chain_profile, variants=())
+    with pytest.raises(UsageError, match="offers no operator variant at '1'"):
+        variants_of(schedule, older)

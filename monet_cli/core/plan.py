@@ -23,6 +23,7 @@ from monet_cli.core.segments import SegmentModel
 from monet_cli.core.simulate import Plan, SimResult, Variants, simulate
 from monet_cli.core.solver.search import Planner, SolveOutcome, solver_info
 from monet_cli.core.variants import TOLERANCE
+from monet_cli.errors import UsageError
 
 
 def decisions_of(model: SegmentModel, plan: Plan, variants: Variants = frozenset()) -> tuple[Decision, ...]:
@@ -58,7 +59,8 @@ def variants_of(schedule: Schedule, profile: Profile) -> Variants:
     index_of = {(record.impl, record.ops): i for i, record in enumerate(profile.variants)}
     missing = [v.module for v in schedule.variants if (v.impl, v.ops) not in index_of]
     if missing:
-        raise ValueError(f"the profile offers no variant at '{missing[0]}', which the schedule runs")
+        raise UsageError(f"the profile offers no operator variant at '{missing[0]}', which the schedule runs "
+                         "(a profile made before monet measured variants? pass the schedule's own profile)")
     return frozenset(index_of[(v.impl, v.ops)] for v in schedule.variants)
 
 

@@ -71,7 +71,8 @@ class VariantDecision(VariantSite):
     """Measured time the variant adds to the step (forward and backward)."""
     rtol: float
     atol: float
-    """The tolerance its gradients are checked within: the variant is not bit-exact."""
+    """The tolerance its gradients are checked within (``atol`` times the largest gradient
+    magnitude); both 0 for a bit-exact variant."""
 
 
 Decision = SegmentDecision | KeepDecision | VariantDecision

@@ -31,6 +31,7 @@ from torch.utils.checkpoint import (
 from monet_cli.core.schedule import Schedule, load_schedule
 from monet_cli.errors import CheckpointConflictError, FingerprintError
 from monet_cli.runtime.fingerprint import FirstForwardCheck, warn_if_untested_torch
+from monet_cli.runtime.meter import MachineryMarker
 from monet_cli.runtime.variants import install_variants
 from monet_cli.workload.step import make_out_of_place, turn_off_kv_cache
 
@@ -53,7 +54,7 @@ def apply_schedule(model: nn.Module, schedule: Schedule | str | Path, *, check_f
     if schedule.model.out_of_place_activations:
         make_out_of_place(model)
     modules = dict(model.named_modules())
-    marker = _MachineryMarker()
+    marker = MachineryMarker()
     for segment in schedule.segments:
         module = modules.get(segment.module)
         if module is None:
@@ -76,7 +77,7 @@ def applied_schedule(model: nn.Module) -> Schedule | None:
     return getattr(model, _APPLIED, None)
 
 
-def machinery(model: nn.Module) -> _MachineryMarker | None:
+def machinery(model: nn.Module) -> MachineryMarker | None:
     """The flag that is up while checkpoint's own bookkeeping runs in ``model``'s segments."""
     return getattr(model, _MACHINERY, None)
 
@@ -109,18 +110,6 @@ def _refuse_on_training_forward(model: nn.Module, args: Any) -> None:
         refuse_existing_checkpointing(model)
 
 
-class _MachineryMarker:
-    """True while checkpoint's own bookkeeping runs (not the model's forward inside it), so the
-    fingerprint check and the measured timeline skip its ops."""
-
-    def __init__(self) -> None:
-        self.depth = 0
-
-    @property
-    def active(self) -> bool:
-        return self.depth > 0
-
-
 def _keep_policy(keep: frozenset[tuple[str, int]]) -> Callable[[], Any]:
     """A fresh per-call context: counts ops per overload, keeps the scheduled ones."""
 
@@ -144,7 +133,7 @@ def _keep_policy(keep: frozenset[tuple[str, int]]) -> Callable[[], Any]:
     return context_fn
 
 
-def _wrap_forward(module: nn.Module, keep: frozenset[tuple[str, int]], marker: _MachineryMarker) -> None:
+def _wrap_forward(module: nn.Module, keep: frozenset[tuple[str, int]], marker: MachineryMarker) -> None:
     original = module.forward
     # Keeping nothing is plain checkpointing: skip the selective policy's dispatch modes,
     # which cost Python time on every op of the segment, in forward and in recompute.
@@ -179,14 +168,11 @@ def _wrap_forward(module: nn.Module, keep: frozenset[tuple[str, int]], marker: _
             call_args, call_kwargs = rebuild(values)
             return run_original(*call_args, **call_kwargs)
 
-        marker.depth += 1
-        try:
+        with marker:  # checkpoint's own bookkeeping, up to the model's ops in run_original
             return checkpoint(
                 run_rebuilt, *tensors, use_reentrant=False, preserve_rng_state=True,
                 context_fn=context_fn, determinism_check="default",
             )
-        finally:
-            marker.depth -= 1
 
     module.forward = checkpointed
 

@@ -128,6 +128,25 @@ class LiveStorageMeter(TorchDispatchMode):
                 self.track(tensor, kind="other", producer=None)
 
 
+class MachineryMarker:
+    """Up while bookkeeping that is not the model's own computation runs: checkpoint's frames
+    in a segment, an operator variant's narrowing. The fingerprint check and the timeline skip
+    its ops; the memory meter counts them. ``with marker:`` raises it for a block."""
+
+    def __init__(self) -> None:
+        self.depth = 0
+
+    @property
+    def active(self) -> bool:
+        return self.depth > 0
+
+    def __enter__(self) -> None:
+        self.depth += 1
+
+    def __exit__(self, *exc: object) -> None:
+        self.depth -= 1
+
+
 class TimelineMeter(LiveStorageMeter):
     """A live-storage meter that also keeps the live bytes after every op.
 

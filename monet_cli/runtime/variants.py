@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Iterable
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -40,6 +39,7 @@ from torch import nn
 
 from monet_cli.core.variants import MIN_BN_WEIGHT, VariantSite
 from monet_cli.errors import FingerprintError
+from monet_cli.runtime.meter import MachineryMarker
 
 _FROM_VARIANT_BN = "_monet_variant_bn_output"
 """Attribute set on a variant BatchNorm's output: activations downstream may keep it."""
@@ -219,32 +219,13 @@ def offset_dtype(pool: nn.MaxPool2d, width: int) -> torch.dtype | None:
     return torch.uint8 if largest < 2**8 else torch.int16 if largest < 2**15 else None
 
 
-class _NoMachinery:
-    """Stands in for the executor's machinery flag where none is watching (measurements)."""
-
-    depth = 0
-
-
-class _Machinery:
-    """Raises ``flag.depth`` for the block: its ops are bookkeeping, not the model's."""
-
-    def __init__(self, flag: Any) -> None:
-        self.flag = flag
-
-    def __enter__(self) -> None:
-        self.flag.depth += 1
-
-    def __exit__(self, *exc: object) -> None:
-        self.flag.depth -= 1
-
-
-def _maxpool_forward(module: nn.MaxPool2d, original, machinery: Any):
+def _maxpool_forward(module: nn.MaxPool2d, original, machinery: MachineryMarker):
     @functools.wraps(original)
     def forward(x: torch.Tensor) -> torch.Tensor:
         dtype = offset_dtype(module, x.shape[-1])
         if dtype is None or module.return_indices or x.dim() != 4 or not torch.is_grad_enabled():
             return original(x)
-        return _MaxPoolKeepsOffsets.apply(x, module, dtype, _Machinery(machinery))
+        return _MaxPoolKeepsOffsets.apply(x, module, dtype, machinery)
 
     return forward
 
@@ -253,7 +234,7 @@ _WRAPPERS = {"bn": _batchnorm_forward, "activation": _activation_forward, "conv"
              "maxpool": _maxpool_forward}
 
 
-def install_variants(model: nn.Module, sites: Iterable[VariantSite], machinery: Any = None) -> None:
+def install_variants(model: nn.Module, sites: Iterable[VariantSite], machinery: MachineryMarker | None = None) -> None:
     """Install each site's variant on the modules it runs in. ``machinery`` is the executor's
     flag for ops that are not the model's own (a variant's bookkeeping)."""
     modules = dict(model.named_modules())
@@ -269,13 +250,14 @@ def install_variants(model: nn.Module, sites: Iterable[VariantSite], machinery: 
             install_on(role, module, machinery)
 
 
-def install_on(role: str, module: nn.Module, machinery: Any = None) -> None:
+def install_on(role: str, module: nn.Module, machinery: MachineryMarker | None = None) -> None:
     """Make ``module`` run its part (``bn``, ``activation``, ``conv``, ``maxpool``) of a variant."""
     if getattr(module, "_monet_variant", None) is not None:
         return
     wrap = _WRAPPERS[role]
     if role == "maxpool":
-        module.forward = wrap(module, module.forward, machinery or _NoMachinery())
+        # Where no executor watches (a measurement), a marker of its own: nobody reads it.
+        module.forward = wrap(module, module.forward, machinery or MachineryMarker())
     else:
         module.forward = wrap(module, module.forward)
     module._monet_variant = role

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from functools import cached_property
 
 from monet_cli.core.profile import Profile
-from monet_cli.core.variants import changed_storages, with_variants
+from monet_cli.core.variants import changed_storages, innermost_calls, with_variants
 
 # Ops selective checkpointing never caches (torch.utils.checkpoint.SAC_IGNORED_OPS),
 # written out here so the core stays free of torch.
@@ -98,7 +98,8 @@ class SegmentModel:
     @cached_property
     def variant_storages(self) -> dict[int, tuple[int, ...]]:
         """Variant index -> the profile's storages whose lifetime it can change."""
-        return {index: changed_storages(self.profile, site) for index, site in enumerate(self.profile.variants)}
+        owner = innermost_calls(self.profile)
+        return {index: changed_storages(self.profile, site, owner) for index, site in enumerate(self.profile.variants)}
 
     @cached_property
     def variant_conflicts(self) -> dict[int, tuple[int, ...]]:

@@ -168,9 +168,9 @@ def _pack_calls(profile: Profile) -> dict[int, set[int | None]]:
     return calls
 
 
-def changed_storages(profile: Profile, site: VariantSite) -> tuple[int, ...]:
-    """The profile's storages whose lifetime the variant at ``site`` can change."""
-    owner = innermost_calls(profile)
+def changed_storages(profile: Profile, site: VariantSite, owner: list[int | None]) -> tuple[int, ...]:
+    """The profile's storages whose lifetime the variant at ``site`` can change (``owner``:
+    ``innermost_calls(profile)``, computed once by the caller)."""
     if site.impl == "bn_output":
         bn, act = site.ops[:2]
         return tuple(_largest_output(profile, k) for k in (profile.ops[bn].inputs[0], bn, act))  # type: ignore[misc]
@@ -180,18 +180,17 @@ def changed_storages(profile: Profile, site: VariantSite) -> tuple[int, ...]:
     return (_indices(profile, owner, pool), *sorted(inputs))  # type: ignore[return-value]
 
 
-def _change(profile: Profile, record: VariantRecord) -> _Change:
-    owner = innermost_calls(profile)
+def _change(profile: Profile, owner: list[int | None], record: VariantRecord) -> _Change:
     calls = [owner[k] for k in record.ops]
     if record.impl == "bn_output":
-        c, y, r = changed_storages(profile, record)
+        c, y, r = changed_storages(profile, record, owner)
         bn_call, act_call, conv_calls = calls[0], calls[1], calls[2:]
         moves = {(c, bn_call): y, (r, act_call): y, **{(r, call): y for call in conv_calls}}
         storages = profile.storages
         # The BatchNorm rebuilds its normalised input, each convolution its activation.
         temporaries = ((c, bn_call, storages[c].bytes), *((r, call, storages[r].bytes) for call in conv_calls))
         return _Change(moves=moves, new=(), temporaries=temporaries)
-    indices, *inputs = changed_storages(profile, record)
+    indices, *inputs = changed_storages(profile, record, owner)
     pool, call = record.op, calls[0]
     elements = profile.storages[indices].bytes // INDEX_BYTES
     offsets = StorageRecord(id=-1, bytes=record.saved_bytes, kind="activation", producer=pool, alloc=pool, free=pool + 1)
@@ -207,8 +206,9 @@ def with_variants(profile: Profile, chosen: Iterable[int]) -> Profile:
     """``profile`` as if the variants ``chosen`` (indices into ``profile.variants``) had run."""
     packs: list[PackRecord | None] = list(profile.packs)
     storages = list(profile.storages)
+    owner = innermost_calls(profile)
     for index in sorted(set(chosen)):
-        _apply(_change(profile, profile.variants[index]), packs, storages)
+        _apply(_change(profile, owner, profile.variants[index]), packs, storages)
     kept = [p for p in packs if p is not None]
     return replace(profile, packs=tuple(kept), storages=tuple(storages))
 

@@ -92,11 +92,12 @@ def schedule_report(schedule: Schedule, path: Path, profile: Profile | None) -> 
     model = None if profile is None else SegmentModel(profile)
     saved = _saved_ops(schedule, model)
     measured = {} if profile is None else {(v.impl, v.ops): v for v in profile.variants}
+    kept = schedule.kept()
     segments = [
         {"module": s.module, "nested_in": nested_in.get(s.module), "ops": s.end_op - s.first_op,
          "recompute_ms": s.recompute_ms,
          "kept": [f"{k.op}#{k.occurrence}" for k in schedule.kept_in(s.module)],
-         "recomputed": None if saved is None else len(saved[s.call] - schedule.kept()[s.call])}
+         "recomputed": None if saved is None else len(saved[s.call] - kept[s.call])}
         for s in schedule.segments
     ]
     report = {

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+from collections import Counter
 from dataclasses import asdict
 from typing import Any
 
@@ -134,9 +135,7 @@ VARIANT_NAMES = {"bn_output": "output-keeping BatchNorm", "maxpool_offsets": "ma
 
 
 def _variants_line(schedule: Schedule) -> str:
-    counts: dict[str, int] = {}
-    for v in schedule.variants:
-        counts[VARIANT_NAMES.get(v.impl, v.impl)] = counts.get(VARIANT_NAMES.get(v.impl, v.impl), 0) + 1
+    counts = Counter(VARIANT_NAMES.get(v.impl, v.impl) for v in schedule.variants)
     listed = ", ".join(f"{n} {name}" for name, n in counts.items()) or "none"
     tolerance = schedule.tolerance()
     if tolerance is None:

@@ -44,9 +44,7 @@ def decisions_of(model: SegmentModel, plan: Plan, variants: Variants = frozenset
     for index in sorted(variants):
         record = model.profile.variants[index]
         rtol, atol = TOLERANCE[record.impl]
-        site = {name: getattr(record, name) for name in VariantDecision.__dataclass_fields__
-                if name not in ("kind", "time_ms", "rtol", "atol")}
-        decisions.append(VariantDecision(**site, time_ms=record.time_ms, rtol=rtol, atol=atol))
+        decisions.append(VariantDecision(**record.site(), time_ms=record.time_ms, rtol=rtol, atol=atol))
     return tuple(decisions)
 
 

@@ -242,6 +242,10 @@ class VariantSite:
     def module(self) -> str:
         return self.modules[0]
 
+    def site(self) -> dict[str, object]:
+        """The site's own fields, to make a record or a decision of the same site."""
+        return {name: getattr(self, name) for name in VariantSite.__dataclass_fields__}
+
     def roles(self) -> list[tuple[str, str]]:
         """(role, module path) of every module the variant runs in."""
         roles = VARIANT_ROLES[self.impl]

@@ -124,7 +124,7 @@ class _Header:
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Schedule(_Header):
     decisions: tuple[Decision, ...] = ()
-    """Each segment, followed by the keeps inside it, in forward order."""
+    """Each segment followed by the keeps inside it, in forward order; then the variants."""
 
     @property
     def segments(self) -> tuple[SegmentDecision, ...]:
@@ -145,11 +145,16 @@ class Schedule(_Header):
     def variants(self) -> tuple[VariantDecision, ...]:
         return tuple(d for d in self.decisions if isinstance(d, VariantDecision))
 
+    def inexact_variants(self) -> tuple[VariantDecision, ...]:
+        """The variants whose gradients are not bit-exact (they state a tolerance)."""
+        return tuple(v for v in self.variants if v.rtol or v.atol)
+
     def tolerance(self) -> tuple[float, float] | None:
         """(rtol, atol) the gradients are held to: the loosest of its variants', None when exact."""
-        if not any(v.rtol or v.atol for v in self.variants):
+        inexact = self.inexact_variants()
+        if not inexact:
             return None
-        return max(v.rtol for v in self.variants), max(v.atol for v in self.variants)
+        return max(v.rtol for v in inexact), max(v.atol for v in inexact)
 
     def kept_in(self, segment: str) -> tuple[KeepDecision, ...]:
         return tuple(k for k in self.keeps if k.segment == segment)
@@ -178,10 +183,13 @@ def with_content_hash(schedule: Schedule) -> Schedule:
     return replace(schedule, content_sha256=content_hash(schedule))
 
 
+HASH_MISMATCH = "content_sha256: does not match the file's contents (edited by hand? re-run monet solve)"
+
+
 def consistency_problem(schedule: Schedule) -> str | None:
     """Why a schedule's parts disagree (e.g. decisions edited by hand), or None."""
     if schedule.content_sha256 != content_hash(schedule):
-        return "content_sha256: does not match the file's contents (edited by hand? re-run monet solve)"
+        return HASH_MISMATCH
     segments = {s.module: s for s in schedule.segments}
     if len(segments) != len(schedule.segments):
         return "decisions: a module is a segment twice"
@@ -301,8 +309,7 @@ def migrate_v1(data: dict[str, Any], *, source: str) -> Schedule:
     segment followed by its keeps (its ``recompute`` entries were the default, now implied)."""
     old = from_data(_V1Schedule, data, source=source)
     if old.content_sha256 != content_hash(old):
-        raise FileFormatError(f"{source}: content_sha256: does not match the file's contents (edited by hand? "
-                              "re-run monet solve)")
+        raise FileFormatError(f"{source}: {HASH_MISMATCH}")
     decisions: list[Decision] = []
     for s in old.segments:
         decisions.append(SegmentDecision(module=s.module, call=s.call, first_op=s.first_op, end_op=s.end_op,

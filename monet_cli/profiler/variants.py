@@ -46,7 +46,7 @@ def measure_variants(workload: Workload, sites: list[VariantSite]) -> tuple[Vari
         native_bytes, variant_bytes = native.saved_bytes(x), variant.saved_bytes(x)
         native_ms, variant_ms = _interleaved_ms(native.run, variant.run, x, workload)
         records.append(VariantRecord(
-            **{name: getattr(site, name) for name in VariantSite.__dataclass_fields__},
+            **site.site(),
             time_ms=round(variant_ms - native_ms, 4), saved_bytes=variant_bytes, native_saved_bytes=native_bytes,
         ))
     return tuple(records)

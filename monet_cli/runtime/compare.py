@@ -219,7 +219,7 @@ def check_gradients(schedule: Schedule, device: torch.device) -> CheckResult:
 def _variants_check(schedule: Schedule, first_base: dict, first_sched: dict, *, nondeterministic: str = "") -> CheckResult:
     rtol, atol = schedule.tolerance()  # type: ignore[misc]
     return compare(first_base, first_sched, mode="variants", rtol=rtol, atol=atol, nondeterministic=nondeterministic,
-                   variants=tuple(v.module for v in schedule.variants if v.rtol or v.atol))
+                   variants=tuple(v.module for v in schedule.inexact_variants()))
 
 
 def run_apply(

@@ -33,7 +33,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/solver_quality.py
 	$(BIN)/python bench/run.py
 	$(BIN)/python bench/scale.py
-	$(BIN)/python bench/nesting.py
+	$(BIN)/python bench/reach.py
 	$(BIN)/python bench/variants.py
 	$(BIN)/python bench/report.py
 	$(BIN)/python bench/real_models.py

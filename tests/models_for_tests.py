@@ -237,3 +237,54 @@ def pool_net(width: int = 8, num_classes: int = 5) -> nn.Module:
         nn.MaxPool2d(3, stride=2, padding=1), nn.Conv2d(width, width, 3, padding=1), nn.ReLU(),
         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(width, num_classes),
     )
+
+
+class HandoffNet(nn.Module):
+    """Linear, ReLU, Linear, Dropout called one after another, a residual reading the first
+    Linear's output, and a head. Only ``act..drop`` passes one tensor along with nothing else
+    reading it: one sibling chain. ``reroute=True`` feeds ``down`` the first Linear's output
+    instead of the ReLU's (same ops and shapes, another hand-off)."""
+
+    def __init__(self, width: int = 16, num_classes: int = 5, reroute: bool = False) -> None:
+        super().__init__()
+        self.up = nn.Linear(width, width)
+        self.act = nn.ReLU()
+        self.down = nn.Linear(width, width)
+        self.drop = nn.Dropout(0.25)
+        self.head = nn.Linear(width, num_classes)
+        self.reroute = reroute
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.up(x)
+        a = self.act(h)
+        y = self.drop(self.down(h if self.reroute else a))
+        return self.head(y + h)
+
+
+def handoff_net(width: int = 16, num_classes: int = 5, reroute: bool = False) -> nn.Module:
+    return HandoffNet(width, num_classes, reroute)
+
+
+class StemNet(nn.Module):
+    """A ResNet-like stem (conv, BatchNorm, ReLU, max-pooling called one after another in the
+    root's forward) at full resolution, then a 4x wider block whose backward runs while the
+    stem's saved tensors wait for theirs, and a head. Input [N, 3, H, W]."""
+
+    def __init__(self, width: int = 16, num_classes: int = 5) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, width, 3, padding=1, bias=False)
+        self.bn = nn.BatchNorm2d(width)
+        self.relu = nn.ReLU(inplace=True)
+        self.pool = nn.MaxPool2d(3, stride=2, padding=1)
+        self.block = nn.Sequential(
+            nn.Conv2d(width, 4 * width, 3, padding=1), nn.ReLU(), nn.Conv2d(4 * width, width, 3, padding=1), nn.ReLU(),
+        )
+        self.head = nn.Linear(width, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.pool(self.relu(self.bn(self.conv(x))))
+        return self.head(self.block(x).mean(dim=(2, 3)))
+
+
+def stem_net(width: int = 16, num_classes: int = 5) -> nn.Module:
+    return StemNet(width, num_classes)

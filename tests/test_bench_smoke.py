@@ -20,11 +20,12 @@ def test_bench_smoke(tmp_path: Path):
     assert "| monet 90% |" in text and "Targets:" in text
 
 
-def test_nesting_bench_measures_the_nested_floor(tmp_path: Path):
-    from bench.nesting import measure
+def test_reach_bench_measures_each_family_floor(tmp_path: Path):
+    from bench.reach import measure
 
     row = measure("gpt", time_limit_s=10, workers=1)
-    assert row["nested_floor_bytes"] <= row["flat_floor_bytes"] < row["baseline_peak_bytes"]
-    assert row["within_budget"] and row["grads_equal"] and abs(row["error"]) <= 0.02
+    floors = [f["peak_bytes"] for f in row["floors"]]
+    assert floors[-1] <= floors[0] < row["baseline_peak_bytes"]
+    assert row["within_budget"] and row["check_ok"] and abs(row["error"]) <= 0.02
     text = render([], None, None, {"rows": [row]}, tmp_path / "img")
-    assert "## Nested segments" in text and "| gpt |" in text
+    assert "## Reach" in text and "| gpt |" in text and "- gpt: " in text

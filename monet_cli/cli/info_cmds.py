@@ -87,7 +87,7 @@ def model_fingerprint(workload):
 
 def _segment_modules(schedule: Schedule, workload) -> Check:
     names = {name for name, _ in workload.model.named_modules()}
-    missing = [s.module for s in schedule.segments if s.module not in names]
+    missing = [path for s in schedule.segments for path in s.members if path not in names]
     if missing:
         return Check(name="segment modules", status="failed", detail=f"not in the model: {', '.join(missing[:3])}")
     return Check(name="segment modules", status="passed", detail=f"all {len(schedule.segments)} found in the model")

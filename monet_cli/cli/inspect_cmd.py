@@ -94,7 +94,7 @@ def schedule_report(schedule: Schedule, path: Path, profile: Profile | None) -> 
     measured = {} if profile is None else {(v.impl, v.ops): v for v in profile.variants}
     kept = schedule.kept()
     segments = [
-        {"module": s.module, "nested_in": nested_in.get(s.module), "ops": s.end_op - s.first_op,
+        {"module": s.module, "chain": list(s.chain), "nested_in": nested_in.get(s.module), "ops": s.end_op - s.first_op,
          "recompute_ms": s.recompute_ms,
          "kept": [f"{k.op}#{k.occurrence}" for k in schedule.kept_in(s.module)],
          "recomputed": None if saved is None else len(saved[s.call] - kept[s.call])}

@@ -35,7 +35,7 @@ def decisions_of(model: SegmentModel, plan: Plan, variants: Variants = frozenset
     for call in sorted(plan, key=lambda c: (model.segments[c].first_op, -model.segments[c].end_op)):
         seg = model.segments[call]
         decisions.append(SegmentDecision(
-            module=seg.fqn, call=call, first_op=seg.first_op, end_op=seg.end_op,
+            module=seg.fqn, chain=seg.members, call=call, first_op=seg.first_op, end_op=seg.end_op,
             recompute_ms=round(model.recompute_ms(call, plan[call], frames[call]), 4),
             overhead_ms=round(model.overhead_ms(call, plan[call], frames[call]), 4),
         ))

@@ -4,7 +4,8 @@ simulator.
 Schema 2 lists one decision per line, each with its ``kind``:
 
 - ``segment``: a module call whose forward runs under checkpoint (its saved tensors are
-  recomputed in backward), with the time that costs;
+  recomputed in backward), with the time that costs; or a chain of sibling calls that
+  runs under one checkpoint (named 'first..last', its module paths in ``chain``);
 - ``keep``: inside a segment, an op whose output is kept from the forward instead. It names
   the op by its aten overload and its occurrence among ops of that overload inside the
   segment: the key selective activation checkpointing uses;
@@ -40,7 +41,7 @@ EXECUTOR = "segments+sac"
 class SegmentDecision:
     kind: Literal["segment"] = "segment"
     module: str
-    """Module path whose forward runs under checkpoint."""
+    """Module path whose forward runs under checkpoint; for a chain, 'first..last'."""
     call: int
     first_op: int
     end_op: int
@@ -48,6 +49,13 @@ class SegmentDecision:
     """Profiled time of the ops this segment re-runs in backward."""
     overhead_ms: float = 0.0
     """Measured checkpoint machinery time (per call, plus per op when it keeps ops)."""
+    chain: tuple[str, ...] = ()
+    """A chain's module paths, in call order: sibling calls run under one checkpoint."""
+
+    @property
+    def members(self) -> tuple[str, ...]:
+        """The module paths whose forwards the segment wraps."""
+        return self.chain or (self.module,)
 
 
 @flow_row
@@ -167,7 +175,9 @@ class Schedule(_Header):
 
 # Optional keys added after the hash's payload was fixed: they enter it only when set, so
 # schedules written before them keep their hash.
-HASHED_WHEN_SET = frozenset({"InputSpec.name", "ModelSpec.precision", "Fingerprint.precision", "Fingerprint.modules"})
+HASHED_WHEN_SET = frozenset({
+    "InputSpec.name", "ModelSpec.precision", "Fingerprint.precision", "Fingerprint.modules", "SegmentDecision.chain",
+})
 
 
 def content_hash(schedule: Schedule | _V1Schedule) -> str:

@@ -6,6 +6,11 @@ keeps an op's output). In backward, the first node that needs one of its saved t
 re-runs the segment from its first op up to the op that made the last saved tensor
 (checkpoint stops early there): one recompute burst per segment.
 
+A segment is either one module call or a chain of sibling calls (``sibling_chains``): leaf
+modules the parent calls one after another, each passing its one tensor to the next, such as
+a ResNet's stem (conv1, bn1, relu, maxpool). The chain runs under one checkpoint, so its
+frame saves only the first call's arguments, where each call alone would save its own.
+
 A segment may hold one nested segment (recursive checkpointing, two levels): the outer
 frame then saves the inner call's arguments instead of what the inner call saves, so its
 recompute stops at the inner call's start when nothing later is saved, and the inner
@@ -18,7 +23,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from functools import cached_property
 
-from monet_cli.core.profile import Profile
+from monet_cli.core.profile import ModuleCall, Profile
 from monet_cli.core.variants import changed_storages, innermost_calls, with_variants
 
 # Ops selective checkpointing never caches (torch.utils.checkpoint.SAC_IGNORED_OPS),
@@ -36,10 +41,63 @@ MAX_NESTED_CHILDREN = 8
 """A segment with more sub-segments than this (a stack of layers) holds none nested."""
 
 
+CHAIN = "chain"
+"""The ``type`` of a chain's call record (``SegmentModel.calls``)."""
+
+
+def sibling_chains(profile: Profile) -> list[tuple[ModuleCall, ...]]:
+    """Runs of two or more sibling leaf calls (modules with no sub-calls) that their parent
+    makes one after another with no op between them, each taking one tensor made earlier in
+    the run and nothing else, and whose ops' outputs nothing after the next call reads. Runs
+    that are all of their parent's forward are left out: the parent is that segment already."""
+    calls = profile.calls
+    has_children = {c.parent for c in calls}
+    by_parent: dict[int, list[ModuleCall]] = defaultdict(list)
+    for call in calls:
+        if call.parent is not None:
+            by_parent[call.parent].append(call)
+
+    def member(call: ModuleCall) -> bool:
+        return call.checkpointable and call.index not in has_children
+
+    chains: list[tuple[ModuleCall, ...]] = []
+
+    def close(run: list[ModuleCall]) -> None:
+        parent = calls[run[0].parent] if run else None  # type: ignore[index]
+        if len(run) >= 2 and (run[0].first_op, run[-1].end_op) != (parent.first_op, parent.end_op):  # type: ignore[union-attr]
+            chains.append(tuple(run))
+
+    for children in by_parent.values():
+        run: list[ModuleCall] = []
+        for call in sorted(children, key=lambda c: c.first_op):
+            if run and member(call) and _passes_on(profile, run, call):
+                run.append(call)
+                continue
+            close(run)
+            run = [call] if member(call) else []
+        close(run)
+    return sorted(chains, key=lambda run: run[0].first_op)
+
+
+def _passes_on(profile: Profile, run: list[ModuleCall], call: ModuleCall) -> bool:
+    """Whether ``call`` can follow ``run`` in a chain: it starts where the run's last call
+    ended, its one tensor argument was made in the run, and what the last call made is read
+    by nothing after ``call``."""
+    last = run[-1]
+    if call.first_op != last.end_op or len(call.inputs) != 1:
+        return False
+    producer = profile.storages[call.inputs[0]].producer
+    if producer is None or not run[0].first_op <= producer < last.end_op:
+        return False
+    return all(reader < call.end_op for op in profile.ops[last.first_op:last.end_op] for reader in op.consumers)
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class SegmentInfo:
     call: int
     fqn: str
+    members: tuple[str, ...]
+    """A chain's module paths, in call order (empty: the segment is the module call ``fqn``)."""
     first_op: int
     end_op: int
     packs: tuple[int, ...]
@@ -83,6 +141,9 @@ class SegmentModel:
     def __init__(self, profile: Profile) -> None:
         self.profile = profile
         self.end = profile.num_positions
+        self.calls, self.members = _with_chains(profile)
+        """The profile's calls, then one record per sibling chain (type ``CHAIN``, named
+        'first..last'); ``members`` holds each chain's calls."""
         self._variant_models: dict[frozenset[int], SegmentModel] = {}
 
     def with_variants(self, chosen: frozenset[int]) -> SegmentModel:
@@ -111,11 +172,15 @@ class SegmentModel:
 
     @cached_property
     def ancestors(self) -> list[tuple[int, ...]]:
-        """For each call: itself and its enclosing calls, innermost first."""
-        chains: list[tuple[int, ...]] = []
-        for call in self.profile.calls:
-            parent = call.parent
-            chains.append((call.index,) + (chains[parent] if parent is not None else ()))
+        """For each call (chains included): itself and its enclosing calls, innermost first.
+        A chain encloses its members."""
+        parent = {call.index: call.parent for call in self.calls}
+        for chain, members in self.members.items():
+            parent.update(dict.fromkeys(members, chain))
+        chains: list[tuple[int, ...]] = [()] * len(self.calls)
+        for call in sorted(self.calls, key=lambda c: (c.first_op, -c.end_op, c.index)):  # enclosing ones first
+            up = parent[call.index]
+            chains[call.index] = (call.index,) + (chains[up] if up is not None else ())
         return chains
 
     @cached_property
@@ -153,17 +218,18 @@ class SegmentModel:
         """Every checkpointable call that autograd saves something inside."""
         return {
             call.index: self._segment(call.index)
-            for call in self.profile.calls
+            for call in self.calls
             if call.checkpointable and self.packs_by_call.get(call.index)
         }
 
     def _segment(self, call_index: int) -> SegmentInfo:
-        call = self.profile.calls[call_index]
+        call = self.calls[call_index]
         packs = tuple(self.packs_by_call[call_index])
         unpacks = [self.profile.packs[i].unpack for i in packs if self.profile.packs[i].unpack is not None]
         return SegmentInfo(
             call=call_index,
             fqn=call.fqn,
+            members=tuple(self.calls[m].fqn for m in self.members.get(call_index, ())),
             first_op=call.first_op,
             end_op=call.end_op,
             packs=packs,
@@ -240,7 +306,7 @@ class SegmentModel:
         unpacks = [packs[p].unpack for p in own if packs[p].unpack is not None]
         unpacks += [n.burst_pos for n in nested if n.burst_pos is not None]
         frame_end = max([self.release(p) for p in own] + [n.frame_end for n in nested])
-        saves = len(own) + sum(len(self.profile.calls[n.call].inputs) for n in nested)
+        saves = len(own) + sum(len(self.calls[n.call].inputs) for n in nested)
         return stop, min(unpacks) if unpacks else None, frame_end, saves
 
     def recompute_ms(self, call_index: int, kept: frozenset[int] = frozenset(), frame: Frame | None = None) -> float:
@@ -294,5 +360,21 @@ class SegmentModel:
         seg = self.segments[call_index]
         touched = {sid for op in range(seg.first_op, seg.end_op) for sid in self.outputs_by_op.get(op, ())}
         touched.update(self.profile.packs[p].storage for p in seg.packs)
-        touched.update(self.profile.calls[call_index].inputs)
+        touched.update(self.calls[call_index].inputs)
         return sorted(touched)
+
+
+def _with_chains(profile: Profile) -> tuple[tuple[ModuleCall, ...], dict[int, tuple[int, ...]]]:
+    """The profile's calls followed by a call record per sibling chain, and each chain's members."""
+    chains = sibling_chains(profile)
+    records: list[ModuleCall] = []
+    members: dict[int, tuple[int, ...]] = {}
+    for run in chains:
+        index = len(profile.calls) + len(records)
+        first, last = run[0], run[-1]
+        records.append(ModuleCall(
+            index=index, fqn=f"{first.fqn}..{last.fqn}", type=CHAIN, first_op=first.first_op, end_op=last.end_op,
+            parent=first.parent, checkpointable=True, inputs=first.inputs,
+        ))
+        members[index] = tuple(call.index for call in run)
+    return profile.calls + tuple(records), members

@@ -213,7 +213,7 @@ class _Events:
         """Storage -> the nested segments that take it as an argument."""
         for frame in self.frames.values():
             if frame.outer is not None:
-                for sid in model.profile.calls[frame.call].inputs:
+                for sid in model.calls[frame.call].inputs:
                     self.nested_inputs[sid].append(frame.call)
         self.copy_free: dict[tuple[int, int], Key] = {}
         """(segment, storage) -> when the copy its recompute makes is freed, for the copies
@@ -226,7 +226,7 @@ class _Events:
             if frame.outer is not None:
                 continue
             end: Key = (frame.frame_end, 0)
-            for sid in self.model.profile.calls[frame.call].inputs:
+            for sid in self.model.calls[frame.call].inputs:
                 holds[sid] = max(holds.get(sid, end), end)
         return holds
 
@@ -275,6 +275,10 @@ class _Events:
                 copy_holds[segment].append(release)
         for call in self.nested_inputs.get(s.id, ()):
             self._argument_hold(s, self.frames[call], None, holds, copy_holds)
+            if call in self.model.members:
+                # The checkpoint generator a chain drives holds its arguments until its
+                # last call returns, though the outer frame dropped what it saved of them.
+                holds.append((self.frames[call].end_op, 0))
         if kept:
             holds.append(self.burst_end(owner))  # the selective policy's cache
         for segment, frees in copy_holds.items():

@@ -4,15 +4,18 @@ operator variants outside them.
 Each scheduled module's ``forward`` runs under non-reentrant ``torch.utils.checkpoint``
 (``preserve_rng_state=True``, so dropout draws the same mask on recompute) with a
 selective-checkpointing policy that keeps exactly the ops the schedule marks ``keep``,
-keyed by (aten overload, occurrence within the segment). BatchNorm layers inside a
-segment are guarded so a recompute does not update their running statistics again.
-On the first forward the op sequence is fingerprinted and checked against the schedule.
+keyed by (aten overload, occurrence within the segment). A chain of sibling calls runs
+under one checkpoint frame that opens in its first member's forward and closes at the end
+of its last one's (``_Chain``). BatchNorm layers inside a segment are guarded so a
+recompute does not update their running statistics again. On the first forward the op
+sequence is fingerprinted and checked against the schedule.
 """
 
 from __future__ import annotations
 
 import functools
 import warnings
+import weakref
 from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
@@ -23,6 +26,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.checkpoint import (
     CheckpointPolicy,
+    _checkpoint_without_reentrant_generator,
     checkpoint,
     create_selective_checkpoint_contexts,
     noop_context_fn,
@@ -55,22 +59,33 @@ def apply_schedule(model: nn.Module, schedule: Schedule | str | Path, *, check_f
         make_out_of_place(model)
     modules = dict(model.named_modules())
     marker = MachineryMarker()
-    for segment in schedule.segments:
-        module = modules.get(segment.module)
-        if module is None:
-            raise FingerprintError(
-                f"schedule segment '{segment.module}' is not a module of this model "
-                "(the schedule was made for another model)"
-            )
+    # Module segments first: a chain then runs its members' forwards as they are, nested
+    # checkpoints included.
+    for segment in sorted(schedule.segments, key=lambda s: bool(s.chain)):
+        members = [_module(modules, path) for path in segment.members]
         keep = frozenset((k.op, k.occurrence) for k in schedule.kept_in(segment.module))
-        _wrap_forward(module, keep, marker)
-        _guard_batchnorms(module)
+        if segment.chain:
+            _Chain(segment.module, members, segment.chain, _context_fn(keep), marker).install()
+            for member in members:
+                _guard_batchnorms(member, itself=True)
+        else:
+            _wrap_forward(members[0], keep, marker)
+            _guard_batchnorms(members[0])
     install_variants(model, schedule.variants, marker)
     if check_fingerprint:
         FirstForwardCheck(model, schedule.fingerprint, marker).install()
     setattr(model, _APPLIED, schedule)
     setattr(model, _MACHINERY, marker)
     return model
+
+
+def _module(modules: dict[str, nn.Module], path: str) -> nn.Module:
+    module = modules.get(path)
+    if module is None:
+        raise FingerprintError(
+            f"schedule segment module '{path}' is not a module of this model (the schedule was made for another model)"
+        )
+    return module
 
 
 def applied_schedule(model: nn.Module) -> Schedule | None:
@@ -133,11 +148,15 @@ def _keep_policy(keep: frozenset[tuple[str, int]]) -> Callable[[], Any]:
     return context_fn
 
 
-def _wrap_forward(module: nn.Module, keep: frozenset[tuple[str, int]], marker: MachineryMarker) -> None:
-    original = module.forward
+def _context_fn(keep: frozenset[tuple[str, int]]) -> Callable[[], Any]:
     # Keeping nothing is plain checkpointing: skip the selective policy's dispatch modes,
     # which cost Python time on every op of the segment, in forward and in recompute.
-    context_fn = _keep_policy(keep) if keep else noop_context_fn
+    return _keep_policy(keep) if keep else noop_context_fn
+
+
+def _wrap_forward(module: nn.Module, keep: frozenset[tuple[str, int]], marker: MachineryMarker) -> None:
+    original = module.forward
+    context_fn = _context_fn(keep)
 
     # Recompute calls ``original`` directly, not through ``module(...)``, so a BatchNorm
     # that is itself the segment gets its guard here rather than from module hooks.
@@ -199,10 +218,113 @@ def _tensors_apart(args: tuple, kwargs: dict) -> tuple[list[torch.Tensor], Calla
     return tensors, rebuild
 
 
-def _guard_batchnorms(segment: nn.Module) -> None:
+class _Chain:
+    """A segment over sibling calls (``core.segments.sibling_chains``): checkpoint's frame
+    opens in the first member's forward and closes at the end of the last member's, so the
+    parent's own code runs unchanged between them, on the real tensors. Its recompute runs
+    the members one after another from the first one's arguments, as the profile showed the
+    parent doing. Each member must be called in order with the previous one's output; any
+    other call raises instead of checkpointing something else."""
+
+    def __init__(self, name: str, members: list[nn.Module], paths: tuple[str, ...],
+                 context_fn: Callable[[], Any], marker: MachineryMarker) -> None:
+        self.name = name
+        self.members = members
+        self.paths = paths
+        self.context_fn = context_fn
+        self.marker = marker
+        self.forwards = [member.forward for member in members]
+        self.frame: Any = None
+        """The open checkpoint generator, between the first member's call and the last one's end."""
+        self.expected = 0
+        self.handed: weakref.ref | None = None
+        """The last member's output, which the next member must be called with."""
+        self.replaying = 0
+
+    def install(self) -> None:
+        for k, member in enumerate(self.members):
+            member.forward = functools.wraps(self.forwards[k])(functools.partial(self._forward, k))
+
+    def _forward(self, k: int, *args: Any, **kwargs: Any) -> Any:
+        if self.replaying:  # the chain's own recompute calls each member
+            return self.forwards[k](*args, **kwargs)
+        if k == 0:
+            if self.frame is not None:
+                self._fail(f"'{self.paths[0]}' was called again before '{self.paths[-1]}' ended")
+            if not torch.is_grad_enabled():
+                return self.forwards[0](*args, **kwargs)  # eval / no_grad: nothing to save
+            self._open(args, kwargs)
+        elif self.frame is None:
+            return self.forwards[k](*args, **kwargs)  # the chain is not running (no grad)
+        else:
+            self._check_handoff(k, args, kwargs)
+        try:
+            output = self.forwards[k](*args, **kwargs)
+        except BaseException:
+            self._close()
+            raise
+        if k == len(self.members) - 1:
+            self._finish()
+        else:
+            self.expected = k + 1
+            self.handed = weakref.ref(output) if isinstance(output, torch.Tensor) else None
+        return output
+
+    def _open(self, args: tuple, kwargs: dict) -> None:
+        tensors, rebuild = _tensors_apart(args, kwargs)
+
+        def recompute(*values: torch.Tensor) -> None:
+            call_args, call_kwargs = rebuild(values)
+            outside, self.marker.depth = self.marker.depth, 0  # the model's ops: not machinery
+            self.replaying += 1
+            try:
+                output = self.members[0](*call_args, **call_kwargs)
+                for member in self.members[1:]:
+                    output = member(output)
+            finally:
+                self.replaying -= 1
+                self.marker.depth = outside
+
+        # The generator torch.utils.checkpoint itself drives around its function: its first
+        # step enters the frame's saved-tensor hooks, its second leaves them.
+        self.frame = _checkpoint_without_reentrant_generator(
+            recompute, True, self.context_fn, "default", False, True, *tensors,
+        )
+        with self.marker:
+            next(self.frame)
+
+    def _check_handoff(self, k: int, args: tuple, kwargs: dict) -> None:
+        handed = self.handed() if self.handed is not None else None
+        if k != self.expected or kwargs or len(args) != 1 or handed is None or args[0] is not handed:
+            self._fail(f"'{self.paths[k]}' was not called right after '{self.paths[k - 1]}' with its output alone")
+
+    def _finish(self) -> None:
+        frame, self.frame, self.handed = self.frame, None, None
+        with self.marker:
+            try:
+                next(frame)
+            except StopIteration:
+                return
+        raise AssertionError("internal error: checkpoint's frame did not close")
+
+    def _close(self) -> None:
+        frame, self.frame, self.handed = self.frame, None, None
+        if frame is not None:
+            with self.marker:
+                frame.close()
+
+    def _fail(self, what: str) -> None:
+        self._close()
+        raise FingerprintError(f"schedule segment '{self.name}' does not match this model: {what}, "
+                               "as the profiled forward did")
+
+
+def _guard_batchnorms(segment: nn.Module, *, itself: bool = False) -> None:
+    """Guard the BatchNorms in ``segment``; the segment itself only when ``itself`` (a module
+    segment that is a BatchNorm guards itself in its checkpointed forward)."""
     for module in segment.modules():
-        if module is segment:
-            continue  # guarded inside its own checkpointed forward
+        if module is segment and not itself:
+            continue
         if isinstance(module, nn.modules.batchnorm._BatchNorm) and not getattr(module, "_monet_guarded", False):
             module.register_forward_pre_hook(_bn_pre_hook)
             # always_call: checkpoint stops a recompute by raising from inside the
@@ -218,8 +340,8 @@ def _in_backward() -> bool:
 def _bn_pre_hook(module: nn.Module, args: Any) -> None:
     # A forward call during backward is a recompute: freeze the running statistics
     # (momentum 0 keeps them) and remember the batch counter to restore it after.
-    if not (module.training and _in_backward()):
-        return
+    if not (module.training and _in_backward()) or getattr(module, "_monet_saved", None) is not None:
+        return  # not a recompute, or frozen already (a BatchNorm segment inside a chain guards twice)
     from torch.utils._python_dispatch import _disable_current_modes
 
     with torch.no_grad(), _disable_current_modes():

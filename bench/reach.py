@@ -1,0 +1,138 @@
+"""Reach: the smallest peak the solver finds as each decision family is added, and the lowest
+one applied and measured.
+
+Per workload, one fresh profile, then the minimum peak with:
+
+1. module calls: one segment per module call, none nested (what monet started with);
+2. + nesting: a segment may hold its nearest sub-segment (recursive checkpointing);
+3. + chains: a segment may span a run of sibling calls (``core.segments.sibling_chains``);
+4. + variants: the operator variants too (``monet solve``'s default decision space).
+
+The last floor's schedule runs once against the unmodified model with its own predicted peak
+as the budget: measured peak, prediction error, gradient check. The issue's reach targets sit
+beside: resnet50 >= 4x less activation memory, unet 50% of its baseline, gpt 1.25x below
+checkpointing every block (that peak simulated, as the profile predicts it). Results go to
+bench/results/reach-cpu.json; bench/report.py renders them.
+
+    python bench/reach.py                        # gpt, unet, mobilenet_v2, resnet50
+    python bench/reach.py --workloads gpt,unet
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from monet_cli.core.plan import build_schedule  # noqa: E402
+from monet_cli.core.profile import Profile, load_profile  # noqa: E402
+from monet_cli.core.schedule import SolverInfo  # noqa: E402
+from monet_cli.core.segments import SegmentModel  # noqa: E402
+from monet_cli.core.simulate import simulate  # noqa: E402
+from monet_cli.core.solver.search import Planner  # noqa: E402
+from monet_cli.profiler.run import profile_model  # noqa: E402
+from monet_cli.runtime.compare import run_apply  # noqa: E402
+
+CPU = torch.device("cpu")
+WORKLOADS = ("gpt", "unet", "mobilenet_v2", "resnet50")
+BLOCKS = {"gpt": r"blocks\.\d+", "resnet50": r"layer\d\.\d+"}
+"""Module paths of each workload's blocks, for the peak of checkpointing every block."""
+TARGETS = {"resnet50": ("activation_ratio", 4.0), "unet": ("baseline_fraction", 0.5), "gpt": ("below_blocks", 1.25)}
+
+
+class NestedCalls(SegmentModel):
+    """Module-call segments only, as before chains."""
+
+    def __init__(self, profile: Profile) -> None:
+        super().__init__(profile)
+        self.calls, self.members = profile.calls, {}
+
+
+class ModuleCalls(NestedCalls):
+    """Module-call segments, none nested."""
+
+    nest_pairs = ()
+
+
+FAMILIES = (("module calls", ModuleCalls, False), ("+ nesting", NestedCalls, False),
+            ("+ chains", SegmentModel, False), ("+ variants", SegmentModel, True))
+
+
+def fixed_bytes(profile: Profile) -> int:
+    """Parameters, gradients and optimizer state: what no schedule changes."""
+    memory = profile.memory
+    return memory.param_bytes + memory.grad_bytes + memory.optimizer_state_bytes
+
+
+def block_peak(profile: Profile, workload: str) -> int | None:
+    """Simulated peak of checkpointing every block (None: the workload names no blocks)."""
+    pattern = BLOCKS.get(workload)
+    if pattern is None:
+        return None
+    model = SegmentModel(profile)
+    plan = {c: frozenset() for c, seg in model.segments.items() if re.fullmatch(pattern, seg.fqn)}
+    return simulate(profile, plan, model=model).peak_bytes
+
+
+def measure(name: str, time_limit_s: float, workers: int) -> dict:
+    shipped = load_profile(ROOT / "configs" / f"{name}.profile.yaml")
+    start = time.perf_counter()
+    profile = profile_model(shipped.model, CPU, steps=1)
+    profile_s = time.perf_counter() - start
+    base, fixed = profile.baseline.peak_bytes, fixed_bytes(profile)
+    floors = []
+    for label, segment_model, variants in FAMILIES:
+        model = segment_model(profile)
+        start = time.perf_counter()
+        floor = Planner(model, variants=variants).minimum_peak(time_limit_s=time_limit_s, workers=workers, seed=0)
+        floors.append({"family": label, "peak_bytes": floor.peak_bytes, "solve_s": round(time.perf_counter() - start, 2),
+                       "activation_ratio": (base - fixed) / (floor.peak_bytes - fixed)})
+    info = SolverInfo(method="minimum-peak", status="n/a", objective=None, bound=None, gap=None,
+                      time_s=floors[-1]["solve_s"], workers=workers, seed=0, time_limit_s=time_limit_s, ortools="")
+    schedule = build_schedule(profile, floor.plan, budget_bytes=floor.peak_bytes, budget_spec="floor", solver=info,
+                              profile_sha256="", model=model, variants=floor.variants)
+    report = run_apply(schedule, CPU, steps=1, check=True)
+    measured = report.measured_peak_bytes
+    blocks = block_peak(profile, name)
+    chains = [s.module for s in schedule.segments if s.chain]
+    return {
+        "workload": name, "model": profile.model.name, "batch_size": profile.model.batch_size,
+        "inputs": [list(i.shape) for i in profile.model.inputs], "profile_s": round(profile_s, 1),
+        "baseline_peak_bytes": base, "fixed_bytes": fixed, "floors": floors, "block_peak_bytes": blocks,
+        "floor_segments": len(schedule.segments), "floor_chains": chains, "floor_variants": len(schedule.variants),
+        "measured_peak_bytes": measured, "error": (floor.peak_bytes - measured) / measured,
+        "within_budget": measured <= floor.peak_bytes, "check_ok": report.check.ok,
+        "check_mode": report.check.mode, "max_relative_diff": report.check.max_relative_diff,
+        "predicted_overhead": schedule.predicted.overhead,
+        "activation_ratio": (base - fixed) / (measured - fixed), "baseline_fraction": measured / base,
+        "below_blocks": None if blocks is None else blocks / measured,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workloads", default=",".join(WORKLOADS))
+    parser.add_argument("--time-limit", type=float, default=60.0)
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "reach-cpu.json")
+    args = parser.parse_args()
+    rows = []
+    for name in args.workloads.split(","):
+        rows.append(measure(name, args.time_limit, args.workers))
+        print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"torch": torch.__version__, "rows": rows}, indent=1) + "\n")
+    print(f"wrote {args.out}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,113 @@
+"""Segments over chains of sibling calls: which runs qualify, and that one checkpoint frame
+spanning several calls holds the simulator's timeline and the unmodified model's gradients."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import small_spec
+
+import monet_cli
+from monet_cli.core.plan import build_schedule
+from monet_cli.core.schedule import SolverInfo, load_schedule, save_schedule
+from monet_cli.core.segments import CHAIN, SegmentModel
+from monet_cli.core.simulate import simulate
+from monet_cli.core.solver.linear import live_series
+from monet_cli.core.solver.search import Planner
+from monet_cli.errors import FingerprintError
+from monet_cli.profiler.run import profile_model
+from monet_cli.runtime.compare import run_apply
+from monet_cli.workload.step import build_workload
+
+CPU = torch.device("cpu")
+INFO = SolverInfo(method="test", status="n/a", objective=None, bound=None, gap=None, time_s=0.0, workers=1,
+                  seed=0, time_limit_s=0.0, ortools="")
+
+
+def _chains(model: SegmentModel) -> dict[str, int]:
+    return {model.calls[c].fqn: c for c in model.segments if model.calls[c].type == CHAIN}
+
+
+@pytest.fixture(scope="module")
+def handoff_profile():
+    return profile_model(small_spec("tests.models_for_tests:handoff_net", shape=(16,), batch_size=8), CPU, steps=1)
+
+
+def test_a_chain_is_a_run_of_leaf_siblings_passing_one_tensor_along(resnet18_profile, handoff_profile):
+    resnet = SegmentModel(resnet18_profile)
+    chains = _chains(resnet)
+    assert resnet.segments[chains["conv1..maxpool"]].members == ("conv1", "bn1", "relu", "maxpool")
+    # Blocks hold sub-calls: no chain spans them. A Bottleneck's relu is called three times.
+    assert not any(name.startswith("layer1..") or ".relu" in name for name in chains)
+    # up's output is read by the residual after down: up cannot hand off; act, down, drop can.
+    handoff = SegmentModel(handoff_profile)
+    assert list(_chains(handoff)) == ["act..drop"]
+    chain = handoff.segments[_chains(handoff)["act..drop"]]
+    assert (chain.first_op, chain.end_op) == (handoff_profile.calls[2].first_op, handoff_profile.calls[4].end_op)
+    # A chain encloses its members, so the solver treats them as nested in it.
+    assert all(handoff.ancestors[c][1] == chain.call for c in (2, 3, 4))
+
+
+def _check(profile, plan):
+    """One step op by op against the simulator (its peak only where the plan keeps ops: the
+    measured series has no position for a kept op's skipped re-run); two steps against the
+    unmodified model (the second starts from BatchNorm statistics the first updated)."""
+    model = SegmentModel(profile)
+    schedule = build_schedule(profile, plan, budget_bytes=profile.baseline.peak_bytes * 2, budget_spec="2x",
+                              solver=INFO, profile_sha256="", model=model)
+    report = run_apply(schedule, CPU, steps=1, check=False, timeline=True)
+    if any(plan.values()):
+        assert report.measured_peak_bytes == schedule.predicted.peak_bytes
+    else:
+        assert report.timeline == live_series(model, plan)
+    checked = run_apply(schedule, CPU, steps=2, check=True)
+    assert checked.check.grads_match and checked.check.params_match and checked.check.buffers_match
+    return schedule, report
+
+
+def test_the_resnet_stem_as_one_segment_matches_the_simulator_op_by_op(resnet18_profile):
+    model = SegmentModel(resnet18_profile)
+    stem = _chains(model)["conv1..maxpool"]
+    bn1 = next(c for c in model.segments if model.calls[c].fqn == "bn1")
+    keep = frozenset(model.segments[stem].candidates[:1])
+    end_of_forward = len(resnet18_profile.ops)
+    unscheduled = live_series(model, {})[end_of_forward]
+    for plan in ({stem: frozenset()}, {stem: keep}, {stem: frozenset(), bn1: frozenset()}):
+        schedule, report = _check(resnet18_profile, plan)
+        assert report.timeline[end_of_forward] < unscheduled  # the stem's activations are gone
+    assert schedule.segments[0].chain == ("conv1", "bn1", "relu", "maxpool")
+
+
+def test_a_chain_with_dropout_recomputes_the_same_mask(handoff_profile):
+    chain = _chains(SegmentModel(handoff_profile))["act..drop"]
+    _check(handoff_profile, {chain: frozenset()})
+
+
+def test_the_solver_uses_the_stem_chain_to_reach_lower():
+    profile = profile_model(small_spec("tests.models_for_tests:stem_net", shape=(3, 32, 32), batch_size=8), CPU,
+                            steps=1)
+    model = SegmentModel(profile)
+    stem = _chains(model)["conv..pool"]
+    lowest = Planner(model, variants=False).minimum_peak(time_limit_s=10, workers=1, seed=0)
+    assert stem in lowest.plan
+    without = {c: keep for c, keep in lowest.plan.items() if c != stem}
+    assert lowest.peak_bytes < simulate(profile, without, model=model).peak_bytes
+    _check(profile, lowest.plan)
+
+
+def test_a_chain_schedule_round_trips_and_refuses_another_handoff(handoff_profile, tmp_path):
+    chain = _chains(SegmentModel(handoff_profile))["act..drop"]
+    schedule = build_schedule(handoff_profile, {chain: frozenset()}, budget_bytes=2 * handoff_profile.baseline.peak_bytes,
+                              budget_spec="2x", solver=INFO, profile_sha256="")
+    save_schedule(schedule, tmp_path / "s.yaml")
+    loaded = load_schedule(tmp_path / "s.yaml")
+    assert loaded == schedule and loaded.segments[0].members == ("act", "down", "drop")
+
+    spec = small_spec("tests.models_for_tests:handoff_net", shape=(16,), batch_size=8, model_kwargs={"reroute": True})
+    workload = build_workload(spec, CPU)
+    monet_cli.apply(workload.model, schedule, check_fingerprint=False)
+    args, kwargs = workload.call_args()
+    with pytest.raises(FingerprintError, match="'down' was not called right after 'act' with its output alone"):
+        workload.model(*args, **kwargs)
+    # The frame was closed on the way out: no saved-tensor hooks are left behind.
+    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None

@@ -153,6 +153,7 @@ def test_inspect_profile_and_schedule(solved, tmp_path):
     assert data["kind"] == "monet.profile" and data["top_memory_at_peak"]
     assert sum(r["bytes"] for r in data["top_memory_at_peak"]) <= data["baseline"]["peak_bytes"]
     assert data["not_checkpointable"] == [{"module": "<model>", "reason": "the model itself: its inputs are the step's data"}]
+    assert data["chains"] == []  # each Sequential's run of calls is all of its forward: the Sequential is that segment
     human = monet("inspect", str(root / "configs" / "skip.profile.yaml"))  # the tables, not JSON
     assert human.exit_code == 0, human.output
     assert "top memory holders at the peak" in human.stdout and "module calls monet will not checkpoint" in human.stdout

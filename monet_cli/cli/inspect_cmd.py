@@ -9,7 +9,7 @@ from typing import Any
 from monet_cli.core.plan import plan_of, variants_of
 from monet_cli.core.profile import LOSS_MODULE, PROFILE_KIND, Profile, profile_from_data
 from monet_cli.core.schedule import SCHEDULE_KIND, Schedule, file_sha256, schedule_from_data
-from monet_cli.core.segments import SegmentModel
+from monet_cli.core.segments import SegmentModel, sibling_chains
 from monet_cli.core.simulate import WORKSPACE, Plan, Variants, live_at_peak, simulate
 from monet_cli.core.solver.linear import live_series
 from monet_cli.core.yamlio import load_yaml_file
@@ -68,6 +68,7 @@ def profile_report(profile: Profile, path: Path) -> dict[str, Any]:
         "memory": asdict(profile.memory),
         "forward_ops": len(profile.ops), "backward_ops": len(profile.backward),
         "segments": sum(c.checkpointable for c in profile.calls),
+        "chains": [[call.fqn for call in run] for run in sibling_chains(profile)],
         # Calls that run no ops would never be worth a segment: listing them is noise.
         "not_checkpointable": [{"module": c.fqn or "<model>", "reason": c.reason} for c in profile.calls
                                if c.reason and c.end_op > c.first_op],

@@ -13,6 +13,7 @@ from rich.table import Table
 
 from monet_cli.core.profile import Profile
 from monet_cli.core.schedule import Schedule
+from monet_cli.core.segments import sibling_chains
 from monet_cli.core.simulate import simulate
 from monet_cli.core.units import format_bytes
 
@@ -35,6 +36,7 @@ def profile_summary(profile: Profile, path: str) -> dict[str, Any]:
         "forward_ops": len(profile.ops),
         "backward_ops": len(profile.backward),
         "segments": sum(1 for c in profile.calls if c.checkpointable),
+        "chains": len(sibling_chains(profile)),
         "baseline_peak_bytes": profile.baseline.peak_bytes,
         "step_ms": profile.baseline.step_ms,
         "param_bytes": mem.param_bytes,
@@ -76,7 +78,8 @@ def profile_table(profile: Profile, path: str) -> Table:
         ("batch", f"{profile.model.batch_size} x {describe_inputs([asdict(i) for i in profile.model.inputs])}"),
         ("precision", profile.model.precision),
         ("ops", f"{len(profile.ops)} forward, {len(profile.backward)} backward+optimizer"),
-        ("segments", f"{sum(1 for c in profile.calls if c.checkpointable)} checkpointable module calls"),
+        ("segments", f"{sum(1 for c in profile.calls if c.checkpointable)} checkpointable module calls, "
+                     f"{len(sibling_chains(profile))} chains of sibling calls"),
         ("baseline peak", format_bytes(profile.baseline.peak_bytes) + f"  ({profile.baseline.meter})"),
         ("simulated peak", _simulated_baseline(profile)),
         ("step time", f"{profile.baseline.step_ms:.1f} ms (median of {profile.baseline.steps})"),

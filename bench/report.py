@@ -351,8 +351,8 @@ def reach_table(reach: dict[str, Any]) -> str:
             f"| {pct(row['predicted_overhead'])} | {check} ({row['check_mode']}) |"
         )
     lines += ["", "Reach targets (measured floor):", ""]
-    words = {"activation_ratio": "x less activation memory", "baseline_fraction": "of the baseline peak",
-             "below_blocks": "x below checkpointing every block (simulated)"}
+    words = {"activation_ratio": "less activation memory", "baseline_fraction": "of the baseline peak",
+             "below_blocks": "below the peak of checkpointing every block (that peak simulated)"}
     for row in reach["rows"]:
         if row["workload"] not in TARGETS:
             continue

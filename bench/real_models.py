@@ -170,7 +170,7 @@ def _row(name: str, result: CaseResult, precision: str, seconds: float) -> dict:
             "measured_peak_bytes": r.measured_peak_bytes, "within_budget": r.within_budget,
             "error": round((r.predicted_peak_bytes - r.measured_peak_bytes) / r.measured_peak_bytes, 6),
             "grads_equal": bool(r.check and r.check.ok), "segments": len(run.schedule.segments),
-            "kept_ops": len(run.schedule.keeps),
+            "chains": sum(1 for s in run.schedule.segments if s.chain), "kept_ops": len(run.schedule.keeps),
         })
     spec = result.profile.model
     return {"case": name, "held_out": name in HELD_OUT, "model": spec.spec, "target": spec.target, "precision": precision,
@@ -181,8 +181,9 @@ def _row(name: str, result: CaseResult, precision: str, seconds: float) -> dict:
 
 
 _HEADER = [
-    "| case | MODEL | precision | baseline | reach | budget | predicted | measured | error | within | grads equal |",
-    "|---|---|---|---|---|---|---|---|---|---|---|",
+    "| case | MODEL | precision | baseline | reach | budget | segments (chains) | predicted | measured | error | within "
+    "| grads equal |",
+    "|---|---|---|---|---|---|---|---|---|---|---|---|",
 ]
 
 
@@ -211,7 +212,8 @@ def _table_rows(rows: list[dict]) -> list[str]:
     kib = 1024
     return [
         f"| {row['case']} | `{row['model']}` | {row['precision']} | {row['baseline_peak_bytes'] / kib:,.0f} KiB "
-        f"| {row['reach']:.2f} | {run['budget']} | {run['predicted_peak_bytes'] / kib:,.0f} KiB "
+        f"| {row['reach']:.2f} | {run['budget']} | {run['segments']} ({run['chains']}) "
+        f"| {run['predicted_peak_bytes'] / kib:,.0f} KiB "
         f"| {run['measured_peak_bytes'] / kib:,.0f} KiB | {100 * run['error']:+.2f}% "
         f"| {'yes' if run['within_budget'] else 'NO'} | {'yes' if run['grads_equal'] else 'NO'} |"
         for row in rows for run in row["runs"]

@@ -20,6 +20,7 @@ segment's recompute takes its arguments from the outer one's.
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -61,22 +62,26 @@ def sibling_chains(profile: Profile) -> list[tuple[ModuleCall, ...]]:
         return call.checkpointable and call.index not in has_children
 
     chains: list[tuple[ModuleCall, ...]] = []
-
-    def close(run: list[ModuleCall]) -> None:
-        parent = calls[run[0].parent] if run else None  # type: ignore[index]
-        if len(run) >= 2 and (run[0].first_op, run[-1].end_op) != (parent.first_op, parent.end_op):  # type: ignore[union-attr]
-            chains.append(tuple(run))
-
-    for children in by_parent.values():
-        run: list[ModuleCall] = []
-        for call in sorted(children, key=lambda c: c.first_op):
-            if run and member(call) and _passes_on(profile, run, call):
-                run.append(call)
-                continue
-            close(run)
-            run = [call] if member(call) else []
-        close(run)
+    for parent, children in by_parent.items():
+        whole = (calls[parent].first_op, calls[parent].end_op)
+        chains += [run for run in _runs(profile, children, member) if (run[0].first_op, run[-1].end_op) != whole]
     return sorted(chains, key=lambda run: run[0].first_op)
+
+
+def _runs(profile: Profile, children: list[ModuleCall], member: Callable[[ModuleCall], bool]) -> list[tuple[ModuleCall, ...]]:
+    """The runs of two or more ``member`` calls among siblings, each passing on to the next."""
+    runs: list[tuple[ModuleCall, ...]] = []
+    run: list[ModuleCall] = []
+    for call in sorted(children, key=lambda c: c.first_op):
+        if run and member(call) and _passes_on(profile, run, call):
+            run.append(call)
+            continue
+        if len(run) >= 2:
+            runs.append(tuple(run))
+        run = [call] if member(call) else []
+    if len(run) >= 2:
+        runs.append(tuple(run))
+    return runs
 
 
 def _passes_on(profile: Profile, run: list[ModuleCall], call: ModuleCall) -> bool:

@@ -33,6 +33,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from bench.run import write_rows  # noqa: E402
 from monet_cli.core.plan import build_schedule  # noqa: E402
 from monet_cli.core.profile import Profile, load_profile  # noqa: E402
 from monet_cli.core.schedule import SolverInfo  # noqa: E402
@@ -129,9 +130,7 @@ def main() -> None:
     for name in args.workloads.split(","):
         rows.append(measure(name, args.time_limit, args.workers))
         print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"torch": torch.__version__, "rows": rows}, indent=1) + "\n")
-    print(f"wrote {args.out}", file=sys.stderr)
+    write_rows(args.out, rows)
 
 
 if __name__ == "__main__":

@@ -219,5 +219,11 @@ def write_result(path: Path, result: dict[str, Any]) -> None:
     log(f"wrote {path}")
 
 
+def write_rows(path: Path, rows: list[dict[str, Any]]) -> None:
+    """A sweep's rows, with the torch that measured them."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_result(path, {"torch": torch.__version__, "rows": rows})
+
+
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -23,6 +23,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from bench.run import write_rows  # noqa: E402
 from monet_cli.core.profile import InputSpec  # noqa: E402
 from monet_cli.core.segments import SegmentModel  # noqa: E402
 from monet_cli.core.solver.search import Planner  # noqa: E402
@@ -75,9 +76,7 @@ def main() -> None:
             row = measure(family, depth, args.time_limit, args.workers)
             rows.append(row)
             print(json.dumps(row), file=sys.stderr, flush=True)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"torch": torch.__version__, "rows": rows}, indent=1) + "\n")
-    print(f"wrote {args.out}", file=sys.stderr)
+    write_rows(args.out, rows)
 
 
 if __name__ == "__main__":

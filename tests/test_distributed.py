@@ -53,6 +53,19 @@ def test_ddp_two_processes_same_gradients(tmp_path: Path):
     assert all(r["equal"] for r in reports), reports
 
 
+def test_ddp_runs_a_chain_segment(tmp_path: Path):
+    """ResNet's stem as one chain segment (its frame opens in conv1's forward and closes in
+    maxpool's) beside a module segment, under DDP: gradients equal the unscheduled run's."""
+    profile = profile_model(small_spec("resnet18", shape=(3, 32, 32), batch_size=2), torch.device("cpu"), steps=1)
+    model = SegmentModel(profile)
+    by_name = {seg.fqn: c for c, seg in model.segments.items()}
+    plan = {by_name["conv1..maxpool"]: frozenset(), by_name["layer1"]: frozenset()}
+    save_schedule(build_schedule(profile, plan, budget_bytes=2 * profile.baseline.peak_bytes, budget_spec="200%",
+                                 solver=INFO, profile_sha256="", model=model), tmp_path / "chain.yaml")
+    reports = _torchrun("ddp_worker.py", tmp_path / "chain.yaml", tmp_path)
+    assert all(r["equal"] for r in reports), reports
+
+
 @pytest.mark.slow
 def test_fsdp2_three_steps_match_unscheduled(tmp_path: Path):
     """monet.apply before fully_shard: the fingerprint check sees through FSDP2's hooks (and still

@@ -1,7 +1,8 @@
 """Reach: the smallest peak the solver finds as each decision family is added, and the lowest
 one applied and measured.
 
-Per workload, one fresh profile, then the minimum peak with:
+Per workload (the shipped configs, and the real-models issue's GPT-2 and LLaMA reproductions at
+batch 16 x 128 tokens), one fresh profile, then the minimum peak with:
 
 1. module calls: one segment per module call, none nested (what monet started with);
 2. + nesting: a segment may hold its nearest sub-segment (recursive checkpointing);
@@ -14,7 +15,7 @@ beside: resnet50 >= 4x less activation memory, unet 50% of its baseline, gpt 1.2
 checkpointing every block (that peak simulated, as the profile predicts it). Results go to
 bench/results/reach-cpu.json; bench/report.py renders them.
 
-    python bench/reach.py                        # gpt, unet, mobilenet_v2, resnet50
+    python bench/reach.py                        # shipped configs, then the GPT-2 and LLaMA reproductions
     python bench/reach.py --workloads gpt,unet
 """
 
@@ -35,17 +36,24 @@ if str(ROOT) not in sys.path:
 
 from bench.run import write_rows  # noqa: E402
 from monet_cli.core.plan import build_schedule  # noqa: E402
-from monet_cli.core.profile import Profile, load_profile  # noqa: E402
+from monet_cli.core.profile import InputSpec, ModelSpec, Profile, load_profile  # noqa: E402
 from monet_cli.core.schedule import SolverInfo  # noqa: E402
 from monet_cli.core.segments import SegmentModel  # noqa: E402
 from monet_cli.core.simulate import simulate  # noqa: E402
 from monet_cli.core.solver.search import Planner  # noqa: E402
 from monet_cli.profiler.run import profile_model  # noqa: E402
 from monet_cli.runtime.compare import run_apply  # noqa: E402
+from monet_cli.workload.resolve import Overrides, resolve_model_spec  # noqa: E402
 
 CPU = torch.device("cpu")
-WORKLOADS = ("gpt", "unet", "mobilenet_v2", "resnet50")
-BLOCKS = {"gpt": r"blocks\.\d+", "resnet50": r"layer\d\.\d+"}
+SHIPPED = ("gpt", "unet", "mobilenet_v2", "resnet50")
+REPRODUCTIONS = {
+    # The real-models issue's two models, at its size: batch 16 x 128 tokens.
+    "gpt2": "tests.models_for_tests:hf_gpt2",
+    "llama": "tests.models_for_tests:hf_llama",
+}
+BLOCKS = {"gpt": r"blocks\.\d+", "resnet50": r"layer\d\.\d+", "gpt2": r"transformer\.h\.\d+",
+          "llama": r"model\.layers\.\d+"}
 """Module paths of each workload's blocks, for the peak of checkpointing every block."""
 TARGETS = {"resnet50": ("activation_ratio", 4.0), "unet": ("baseline_fraction", 0.5), "gpt": ("below_blocks", 1.25)}
 
@@ -84,10 +92,17 @@ def block_peak(profile: Profile, workload: str) -> int | None:
     return simulate(profile, plan, model=model).peak_bytes
 
 
+def spec_of(name: str) -> ModelSpec:
+    if name in SHIPPED:
+        return load_profile(ROOT / "configs" / f"{name}.profile.yaml").model
+    return resolve_model_spec(REPRODUCTIONS[name], Overrides(
+        batch_size=16, loss="token_cross_entropy", inputs=(InputSpec(shape=(128,), dtype="int64", low=0, high=1000),),
+    ))
+
+
 def measure(name: str, time_limit_s: float, workers: int) -> dict:
-    shipped = load_profile(ROOT / "configs" / f"{name}.profile.yaml")
     start = time.perf_counter()
-    profile = profile_model(shipped.model, CPU, steps=1)
+    profile = profile_model(spec_of(name), CPU, steps=1)
     profile_s = time.perf_counter() - start
     base, fixed = profile.baseline.peak_bytes, fixed_bytes(profile)
     floors = []
@@ -121,7 +136,7 @@ def measure(name: str, time_limit_s: float, workers: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--workloads", default=",".join(WORKLOADS))
+    parser.add_argument("--workloads", default=",".join((*SHIPPED, *REPRODUCTIONS)))
     parser.add_argument("--time-limit", type=float, default=60.0)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "reach-cpu.json")

@@ -107,7 +107,30 @@ def test_a_chain_schedule_round_trips_and_refuses_another_handoff(handoff_profil
     workload = build_workload(spec, CPU)
     monet_cli.apply(workload.model, schedule, check_fingerprint=False)
     args, kwargs = workload.call_args()
+    with torch.no_grad():
+        workload.model(*args, **kwargs)  # nothing is saved without grad: the chain stays closed and checks nothing
     with pytest.raises(FingerprintError, match="'down' was not called right after 'act' with its output alone"):
         workload.model(*args, **kwargs)
     # The frame was closed on the way out: no saved-tensor hooks are left behind.
     assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+
+
+def test_a_forward_that_raised_inside_a_chain_does_not_leave_its_frame_behind(handoff_profile):
+    chain = _chains(SegmentModel(handoff_profile))["act..drop"]
+    schedule = build_schedule(handoff_profile, {chain: frozenset()}, budget_bytes=2 * handoff_profile.baseline.peak_bytes,
+                              budget_spec="2x", solver=INFO, profile_sha256="")
+    workload = build_workload(handoff_profile.model, CPU)
+    monet_cli.apply(workload.model, schedule, check_fingerprint=False)
+    raised = []
+
+    def raise_once(module, args, output):  # a user's hook failing between two members of the chain
+        if not raised:
+            raised.append(True)
+            raise RuntimeError("hook failed")
+
+    workload.model.act.register_forward_hook(raise_once)
+    with pytest.raises(RuntimeError, match="hook failed"):
+        workload.run_model()
+    workload.loss_fn(workload.run_model()).backward()  # the next forward closes the stale frame first
+    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+    assert all(p.grad is not None for p in workload.model.parameters())

@@ -249,8 +249,9 @@ class _Chain:
         if self.replaying:  # the chain's own recompute calls each member
             return self.forwards[k](*args, **kwargs)
         if k == 0:
-            if self.frame is not None:
-                self._fail(f"'{self.paths[0]}' was called again before '{self.paths[-1]}' ended")
+            # A frame still open here belongs to a forward that raised between two members
+            # (members are called once per forward): leave it before starting anew.
+            self._close()
             if not torch.is_grad_enabled():
                 return self.forwards[0](*args, **kwargs)  # eval / no_grad: nothing to save
             self._open(args, kwargs)

@@ -230,13 +230,15 @@ class LinearMemory:
 
     def active_mask(self, plan: Plan) -> np.ndarray:
         """The points that exist in ``plan``'s step: a nested segment's burst runs at its own
-        points, not at those of the segment chosen alone, and an outer segment's burst stops
-        earlier than it would alone."""
+        points, not at those of the segment chosen alone, an outer segment's burst stops
+        earlier than it would alone, and a kept op is not re-run (selective checkpointing hands
+        back its cached output without dispatching it)."""
         nested = set(nested_pairs(self.model, plan))
         stop = {call: frame.stop for call, frame in self.model.frames(plan).items() if frame.outer is None}
         return np.array([
             p.burst_of is None or (p.burst_of in nested if isinstance(p.burst_of, tuple)
-                                   else p.burst_of in stop and p.key[-2] < stop[p.burst_of])
+                                   else p.burst_of in stop and p.key[-2] < stop[p.burst_of]
+                                   and p.key[-2] not in plan[p.burst_of])
             for p in self.points
         ])
 

@@ -3,12 +3,17 @@ spanning several calls holds the simulator's timeline and the unmodified model's
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from conftest import small_spec
+from typer.testing import CliRunner
 
 import monet_cli
+from monet_cli.cli.app import app
 from monet_cli.core.plan import build_schedule
+from monet_cli.core.profile import save_profile
 from monet_cli.core.schedule import SolverInfo, load_schedule, save_schedule
 from monet_cli.core.segments import CHAIN, SegmentModel
 from monet_cli.core.simulate import simulate
@@ -79,9 +84,13 @@ def test_a_chain_with_dropout_recomputes_the_same_mask(handoff_profile):
     _check(handoff_profile, {chain: frozenset()})
 
 
-def test_the_solver_uses_the_stem_chain_to_reach_lower():
-    profile = profile_model(small_spec("tests.models_for_tests:stem_net", shape=(3, 32, 32), batch_size=8), CPU,
-                            steps=1)
+@pytest.fixture(scope="module")
+def stem_profile():
+    return profile_model(small_spec("tests.models_for_tests:stem_net", shape=(3, 32, 32), batch_size=8), CPU, steps=1)
+
+
+def test_the_solver_uses_the_stem_chain_to_reach_lower(stem_profile):
+    profile = stem_profile
     model = SegmentModel(profile)
     stem = _chains(model)["conv..pool"]
     lowest = Planner(model, variants=False).minimum_peak(time_limit_s=10, workers=1, seed=0)
@@ -130,3 +139,22 @@ def test_a_forward_that_raised_inside_a_chain_does_not_leave_its_frame_behind(ha
     workload.loss_fn(workload.run_model()).backward()  # the next forward closes the stale frame first
     assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
     assert all(p.grad is not None for p in workload.model.parameters())
+
+
+def test_cli_solve_inspect_and_validate_show_the_chain(stem_profile, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    path = tmp_path / "stem.profile.yaml"
+    save_profile(stem_profile, path)
+    floor = Planner(SegmentModel(stem_profile), variants=False).minimum_peak(time_limit_s=10, workers=1, seed=0)
+    runner = CliRunner()
+    solved = runner.invoke(app, ["solve", str(path), "--budget", str(floor.peak_bytes), "--no-variants", "--workers", "1",
+                                 "--json", "-o", "s.yaml"])
+    assert solved.exit_code == 0, solved.output
+    assert json.loads(solved.stdout)["chains"] == 1
+    report = json.loads(runner.invoke(app, ["inspect", "s.yaml", "--json"]).stdout)
+    assert {"module": "conv..pool", "chain": ["conv", "bn", "relu", "pool"]}.items() <= next(
+        s for s in report["segments"] if s["chain"]).items()
+    profile_report = json.loads(runner.invoke(app, ["inspect", str(path), "--json"]).stdout)
+    assert profile_report["chains"] == [["conv", "bn", "relu", "pool"]]
+    checked = runner.invoke(app, ["validate", "s.yaml", "--json"])
+    assert checked.exit_code == 0, checked.output

@@ -42,7 +42,7 @@ def test_a_chain_is_a_run_of_leaf_siblings_passing_one_tensor_along(resnet18_pro
     resnet = SegmentModel(resnet18_profile)
     chains = _chains(resnet)
     assert resnet.segments[chains["conv1..maxpool"]].members == ("conv1", "bn1", "relu", "maxpool")
-    # Blocks hold sub-calls: no chain spans them. A Bottleneck's relu is called three times.
+    # Blocks hold sub-calls: no chain spans them. A BasicBlock calls its relu twice: never a member.
     assert not any(name.startswith("layer1..") or ".relu" in name for name in chains)
     # up's output is read by the residual after down: up cannot hand off; act, down, drop can.
     handoff = SegmentModel(handoff_profile)

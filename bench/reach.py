@@ -119,7 +119,7 @@ def measure(name: str, time_limit_s: float, workers: int) -> dict:
     report = run_apply(schedule, CPU, steps=1, check=True)
     measured = report.measured_peak_bytes
     blocks = block_peak(profile, name)
-    chains = [s.module for s in schedule.segments if s.chain]
+    chains = [s.module for s in schedule.chains]
     return {
         "workload": name, "model": profile.model.name, "batch_size": profile.model.batch_size,
         "inputs": [list(i.shape) for i in profile.model.inputs], "profile_s": round(profile_s, 1),

@@ -170,7 +170,7 @@ def _row(name: str, result: CaseResult, precision: str, seconds: float) -> dict:
             "measured_peak_bytes": r.measured_peak_bytes, "within_budget": r.within_budget,
             "error": round((r.predicted_peak_bytes - r.measured_peak_bytes) / r.measured_peak_bytes, 6),
             "grads_equal": bool(r.check and r.check.ok), "segments": len(run.schedule.segments),
-            "chains": sum(1 for s in run.schedule.segments if s.chain), "kept_ops": len(run.schedule.keeps),
+            "chains": len(run.schedule.chains), "kept_ops": len(run.schedule.keeps),
         })
     spec = result.profile.model
     return {"case": name, "held_out": name in HELD_OUT, "model": spec.spec, "target": spec.target, "precision": precision,

@@ -121,7 +121,7 @@ def schedule_table(schedule: Schedule, path: str) -> Table:
         ("budget", f"{format_bytes(schedule.budget_bytes)}  ({schedule.budget_spec})"),
         ("predicted peak", f"{format_bytes(pred.peak_bytes)}  (baseline {format_bytes(pred.baseline_peak_bytes)})"),
         ("predicted step", f"{pred.step_ms:.1f} ms  (baseline {pred.baseline_step_ms:.1f} ms, overhead {100 * pred.overhead:+.1f}%)"),
-        ("segments", f"{len(schedule.segments)} checkpointed ({sum(1 for s in schedule.segments if s.chain)} "
+        ("segments", f"{len(schedule.segments)} checkpointed ({len(schedule.chains)} "
                      f"chains of sibling calls), {kept} op outputs kept"),
         ("variants", _variants_line(schedule)),
         ("solver", f"{solver.method}: {solver.status}"),

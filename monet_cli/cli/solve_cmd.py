@@ -106,7 +106,7 @@ def summary(schedule: Schedule, path: Path) -> dict[str, Any]:
         "baseline_step_ms": schedule.predicted.baseline_step_ms,
         "overhead": schedule.predicted.overhead,
         "segments": len(schedule.segments),
-        "chains": sum(1 for s in schedule.segments if s.chain),
+        "chains": len(schedule.chains),
         "kept_ops": len(schedule.keeps),
         "variants": len(schedule.variants),
         "tolerance": schedule.tolerance(),

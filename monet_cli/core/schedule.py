@@ -139,6 +139,11 @@ class Schedule(_Header):
         return tuple(d for d in self.decisions if isinstance(d, SegmentDecision))
 
     @property
+    def chains(self) -> tuple[SegmentDecision, ...]:
+        """The segments that span a chain of sibling calls."""
+        return tuple(s for s in self.segments if s.chain)
+
+    @property
     def keeps(self) -> tuple[KeepDecision, ...]:
         return tuple(d for d in self.decisions if isinstance(d, KeepDecision))
 

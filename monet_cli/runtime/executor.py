@@ -163,10 +163,7 @@ def _wrap_forward(module: nn.Module, keep: frozenset[tuple[str, int]], marker: M
     guard_self = isinstance(module, nn.modules.batchnorm._BatchNorm)
 
     def run_original(*args: Any, **kwargs: Any) -> Any:
-        # The model's own ops: not machinery, whether checkpoint runs them in the forward
-        # (inside the segment's call) or in a recompute during backward (outside any call).
-        outside, marker.depth = marker.depth, 0
-        try:
+        with marker.lowered():
             if guard_self:
                 _bn_pre_hook(module, args)
             try:
@@ -174,8 +171,6 @@ def _wrap_forward(module: nn.Module, keep: frozenset[tuple[str, int]], marker: M
             finally:
                 if guard_self:
                     _bn_post_hook(module, args, None)
-        finally:
-            marker.depth = outside
 
     @functools.wraps(original)
     def checkpointed(*args: Any, **kwargs: Any) -> Any:
@@ -276,15 +271,14 @@ class _Chain:
 
         def recompute(*values: torch.Tensor) -> None:
             call_args, call_kwargs = rebuild(values)
-            outside, self.marker.depth = self.marker.depth, 0  # the model's ops: not machinery
             self.replaying += 1
             try:
-                output = self.members[0](*call_args, **call_kwargs)
-                for member in self.members[1:]:
-                    output = member(output)
+                with self.marker.lowered():
+                    output = self.members[0](*call_args, **call_kwargs)
+                    for member in self.members[1:]:
+                        output = member(output)
             finally:
                 self.replaying -= 1
-                self.marker.depth = outside
 
         # The generator torch.utils.checkpoint itself drives around its function: its first
         # step enters the frame's saved-tensor hooks, its second leaves them.

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import os
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -145,6 +146,16 @@ class MachineryMarker:
 
     def __exit__(self, *exc: object) -> None:
         self.depth -= 1
+
+    @contextmanager
+    def lowered(self) -> Iterator[None]:
+        """Down for a block of the model's own ops that machinery runs (checkpoint's forward
+        inside a segment's call, or its recompute during backward)."""
+        outside, self.depth = self.depth, 0
+        try:
+            yield
+        finally:
+            self.depth = outside
 
 
 class TimelineMeter(LiveStorageMeter):

@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench.run import write_rows  # noqa: E402
+from bench.run import fixed_bytes, write_rows  # noqa: E402
 from monet_cli.core.plan import build_schedule  # noqa: E402
 from monet_cli.core.profile import InputSpec, ModelSpec, Profile, load_profile  # noqa: E402
 from monet_cli.core.schedule import SolverInfo  # noqa: E402
@@ -74,12 +74,6 @@ class ModuleCalls(NestedCalls):
 
 FAMILIES = (("module calls", ModuleCalls, False), ("+ nesting", NestedCalls, False),
             ("+ chains", SegmentModel, False), ("+ variants", SegmentModel, True))
-
-
-def fixed_bytes(profile: Profile) -> int:
-    """Parameters, gradients and optimizer state: what no schedule changes."""
-    memory = profile.memory
-    return memory.param_bytes + memory.grad_bytes + memory.optimizer_state_bytes
 
 
 def block_peak(profile: Profile, workload: str) -> int | None:

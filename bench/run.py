@@ -135,7 +135,7 @@ def run_workload(w: Workload, device: torch.device, *, repeats: int, fractions: 
     spec = resolve_model_spec(w.model, w.overrides, configs_dir=ROOT / "configs")
     log(f"{w.name}: profiling")
     profile = profile_model(spec, device, steps=steps)
-    fixed = profile.memory.param_bytes + profile.memory.grad_bytes + profile.memory.optimizer_state_bytes
+    fixed = fixed_bytes(profile)
     log(f"{w.name}: solving")
     solved = monet_points(profile, fractions, time_limit, workers)
     log(f"{w.name}: building methods")
@@ -212,6 +212,12 @@ def main(argv: list[str] | None = None) -> int:
     for workload, options in jobs:
         write_result(args.out / f"{workload.name}-{device.type}.json", run_workload(workload, device, **options))
     return 0
+
+
+def fixed_bytes(profile: Profile) -> int:
+    """Parameters, gradients and optimizer state: what no schedule changes."""
+    memory = profile.memory
+    return memory.param_bytes + memory.grad_bytes + memory.optimizer_state_bytes
 
 
 def write_result(path: Path, result: dict[str, Any]) -> None:

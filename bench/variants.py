@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench import methods as M  # noqa: E402
-from bench.run import log, measure_eager, write_result  # noqa: E402
+from bench.run import fixed_bytes, log, measure_eager, write_result  # noqa: E402
 from monet_cli.core.plan import solve_schedule  # noqa: E402
 from monet_cli.core.profile import Profile  # noqa: E402
 from monet_cli.core.segments import SegmentModel  # noqa: E402
@@ -64,7 +64,7 @@ def run_workload(name: str, device: torch.device, *, repeats: int, time_limit: f
     spec = resolve_model_spec(name, Overrides(), configs_dir=ROOT / "configs")
     log(f"{name}: profiling")
     profile = profile_model(spec, device, steps=3)
-    fixed = profile.memory.param_bytes + profile.memory.grad_bytes + profile.memory.optimizer_state_bytes
+    fixed = fixed_bytes(profile)
     methods, checks = [M.baseline(spec, device)], {}
     for label, variants in CURVES.items():
         for schedule, info in curve(profile, variants=variants, time_limit=time_limit, workers=workers):

@@ -5,13 +5,15 @@ from __future__ import annotations
 import datetime as _dt
 from collections.abc import Callable
 
-from monet_cli.core.profile import Profile
+from monet_cli.core.offload import call_packs, moved_packs, site_call, with_offload_sites
+from monet_cli.core.profile import Profile, VariantRecord
 from monet_cli.core.schedule import (
     EXECUTOR,
     SCHEDULE_KIND,
     SCHEMA_VERSION,
     Decision,
     KeepDecision,
+    OffloadDecision,
     Predicted,
     Schedule,
     SegmentDecision,
@@ -43,9 +45,19 @@ def decisions_of(model: SegmentModel, plan: Plan, variants: Variants = frozenset
                       for i in sorted(plan[call])]
     for index in sorted(variants):
         record = model.profile.variants[index]
+        if record.impl == "offload":
+            decisions.append(_offload_decision(model.profile, record))
+            continue
         rtol, atol = TOLERANCE[record.impl]
         decisions.append(VariantDecision(**record.site(), time_ms=record.time_ms, rtol=rtol, atol=atol))
     return tuple(decisions)
+
+
+def _offload_decision(profile: Profile, record: VariantRecord) -> OffloadDecision:
+    call = site_call(profile, record)
+    return OffloadDecision(module=call.fqn, call=call.index, first_op=call.first_op, end_op=call.end_op,
+                           packs=moved_packs(profile, call.index), saves=len(call_packs(profile, call.index)),
+                           bytes=record.native_saved_bytes, time_ms=record.time_ms)
 
 
 def plan_of(schedule: Schedule) -> Plan:
@@ -53,13 +65,17 @@ def plan_of(schedule: Schedule) -> Plan:
 
 
 def variants_of(schedule: Schedule, profile: Profile) -> Variants:
-    """The schedule's variants as indices into ``profile.variants`` (matched by kind and ops)."""
-    index_of = {(record.impl, record.ops): i for i, record in enumerate(profile.variants)}
-    missing = [v.module for v in schedule.variants if (v.impl, v.ops) not in index_of]
+    """The schedule's variants and offloads as indices into the variants of ``SegmentModel(profile).profile``
+    (matched by kind and ops)."""
+    offered = with_offload_sites(profile).variants
+    index_of = {(record.impl, record.ops): i for i, record in enumerate(offered)}
+    wanted = [(v.module, (v.impl, v.ops)) for v in schedule.variants]
+    wanted += [(o.module, ("offload", tuple(range(o.first_op, o.end_op)))) for o in schedule.offloads]
+    missing = [module for module, key in wanted if key not in index_of]
     if missing:
-        raise UsageError(f"the profile offers no operator variant at '{missing[0]}', which the schedule runs "
-                         "(a profile made before monet measured variants? pass the schedule's own profile)")
-    return frozenset(index_of[(v.impl, v.ops)] for v in schedule.variants)
+        raise UsageError(f"the profile offers no operator variant or offload at '{missing[0]}', which the schedule "
+                         "runs (a profile made before monet measured them? pass the schedule's own profile)")
+    return frozenset(index_of[key] for _, key in wanted)
 
 
 def predicted(profile: Profile, result: SimResult) -> Predicted:

@@ -136,6 +136,17 @@ class Overheads:
     """Each op inside a segment with a selective keep policy (its dispatch modes run in forward and recompute)."""
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Transfer:
+    """Copies between device memory and pinned host memory, measured by ``monet profile`` on a
+    CUDA device (a CPU profile has none: nothing to offload to). A copy of n bytes takes
+    ``fixed_ms + n / bytes_per_ms`` in each direction, fitted to copies of a few sizes."""
+
+    fixed_ms: float
+    to_host_bytes_per_ms: float
+    to_device_bytes_per_ms: float
+
+
 @flow_row
 @dataclass(frozen=True, kw_only=True, slots=True)
 class OpRecord:
@@ -228,11 +239,12 @@ VARIANT_ROLES = {"bn_output": ("bn", "activation", "conv"), "maxpool_offsets": (
 @flow_row
 @dataclass(frozen=True, kw_only=True, slots=True)
 class VariantSite:
-    impl: Literal["bn_output", "maxpool_offsets"]
+    impl: Literal["bn_output", "maxpool_offsets", "offload"]
     ops: tuple[int, ...]
-    """Forward op indices it changes; the first names the site (the BatchNorm, the pooling)."""
+    """Forward op indices it changes; the first names the site (the BatchNorm, the pooling, the
+    first op of an offloaded call)."""
     modules: tuple[str, ...]
-    """Module path running each of ``ops``."""
+    """Module path running each of ``ops`` (an offload: the path of the call it covers, once)."""
 
     @property
     def op(self) -> int:
@@ -277,6 +289,8 @@ class Profile:
     baseline: Baseline
     memory: MemorySummary
     overheads: Overheads = field(default_factory=Overheads)
+    transfer: Transfer | None = None
+    """Host-device copy speed, on CUDA only: what an offload costs (``monet_cli/core/offload.py``)."""
     created_at: str
     ops: tuple[OpRecord, ...]
     backward: tuple[BackwardOp, ...]
@@ -306,7 +320,7 @@ class Profile:
 
 
 # Written only where measured (CUDA), so CPU profiles do not repeat a zero on every op.
-OMITTED_WHEN_DEFAULT = frozenset({"OpRecord.workspace_bytes", "BackwardOp.workspace_bytes"})
+OMITTED_WHEN_DEFAULT = frozenset({"OpRecord.workspace_bytes", "BackwardOp.workspace_bytes", "Profile.transfer"})
 
 
 def dump_profile(profile: Profile) -> str:

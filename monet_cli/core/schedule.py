@@ -13,7 +13,10 @@ Schema 2 lists one decision per line, each with its ``kind``:
   its kind, the ops and modules it runs in, its measured time and the tolerance its
   gradients are held to (0 for a bit-exact one).
 
-A new kind of decision (an offload) is one more record type here.
+- ``offload``: a module call outside every segment whose saved tensors go to host memory
+  while backward has not reached them (CUDA; ``monet_cli/core/offload.py``): which of the
+  saves its forward makes are copied out (ordinals in the order it makes them), their
+  bytes and the time the copies are predicted to add.
 Schema 1 files (segments holding keep/recompute lists) are read and migrated.
 """
 
@@ -83,7 +86,26 @@ class VariantDecision(VariantSite):
     magnitude); both 0 for a bit-exact variant."""
 
 
-Decision = SegmentDecision | KeepDecision | VariantDecision
+@flow_row
+@dataclass(frozen=True, kw_only=True, slots=True)
+class OffloadDecision:
+    kind: Literal["offload"] = "offload"
+    module: str
+    call: int
+    first_op: int
+    end_op: int
+    packs: tuple[int, ...]
+    """Ordinals, among the saves the call's forward makes, of those copied to host memory."""
+    saves: int
+    """How many saves the call's forward makes in all (checked when it runs)."""
+    bytes: int
+    """Device memory the copies free between the call's end and backward."""
+    time_ms: float
+    """Predicted from the profile's measured copy speed: copies out the call's forward does
+    not hide, plus copies back."""
+
+
+Decision = SegmentDecision | KeepDecision | VariantDecision | OffloadDecision
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -158,6 +180,10 @@ class Schedule(_Header):
     def variants(self) -> tuple[VariantDecision, ...]:
         return tuple(d for d in self.decisions if isinstance(d, VariantDecision))
 
+    @property
+    def offloads(self) -> tuple[OffloadDecision, ...]:
+        return tuple(d for d in self.decisions if isinstance(d, OffloadDecision))
+
     def inexact_variants(self) -> tuple[VariantDecision, ...]:
         """The variants whose gradients are not bit-exact (they state a tolerance)."""
         return tuple(v for v in self.variants if v.rtol or v.atol)
@@ -222,10 +248,11 @@ def consistency_problem(schedule: Schedule) -> str | None:
         return problem
     pred = schedule.predicted
     expected_ms = pred.baseline_step_ms + sum(s.recompute_ms + s.overhead_ms for s in schedule.segments)
-    expected_ms += sum(v.time_ms for v in schedule.variants)
-    if abs(expected_ms - pred.step_ms) > 1e-3 * (1 + len(schedule.segments) + len(schedule.variants)):
+    changes = (*schedule.variants, *schedule.offloads)
+    expected_ms += sum(v.time_ms for v in changes)
+    if abs(expected_ms - pred.step_ms) > 1e-3 * (1 + len(schedule.segments) + len(changes)):
         return (f"predicted.step_ms: {pred.step_ms} does not match the segments' recompute time and the "
-                f"variants' time ({expected_ms:.4f})")
+                f"variants' and offloads' time ({expected_ms:.4f})")
     if pred.peak_bytes > schedule.budget_bytes:
         return f"predicted.peak_bytes: {pred.peak_bytes} is above budget_bytes {schedule.budget_bytes}"
     return None
@@ -253,15 +280,17 @@ def _nesting_problem(schedule: Schedule) -> str:
 
 
 def _variant_problem(schedule: Schedule) -> str:
-    """A variant runs outside every segment, and changes an op at most once."""
+    """A variant or an offload runs outside every segment, and changes an op at most once."""
     seen: set[int] = set()
-    for v in schedule.variants:
-        if seen.intersection(v.ops):
-            return f"decisions: the variant at '{v.module}' changes an op another variant changes"
-        seen.update(v.ops)
+    changes = [(v.module, v.ops) for v in schedule.variants]
+    changes += [(o.module, tuple(range(o.first_op, o.end_op))) for o in schedule.offloads]
+    for module, ops in changes:
+        if seen.intersection(ops):
+            return f"decisions: the variant or offload at '{module}' changes an op another one changes"
+        seen.update(ops)
         for s in schedule.segments:
-            if any(s.first_op <= op < s.end_op for op in v.ops):
-                return f"decisions: the variant at '{v.module}' runs inside segment '{s.module}'"
+            if any(s.first_op <= op < s.end_op for op in ops):
+                return f"decisions: the variant or offload at '{module}' runs inside segment '{s.module}'"
     return ""
 
 

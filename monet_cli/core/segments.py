@@ -24,6 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
 
+from monet_cli.core.offload import with_offload_sites
 from monet_cli.core.profile import ModuleCall, Profile
 from monet_cli.core.variants import changed_storages, innermost_calls, with_variants
 
@@ -143,8 +144,10 @@ class Frame:
 class SegmentModel:
     """Per-call segment facts for one profile, computed once."""
 
-    def __init__(self, profile: Profile) -> None:
-        self.profile = profile
+    def __init__(self, profile: Profile, *, offer_offloads: bool = True) -> None:
+        self.profile = with_offload_sites(profile) if offer_offloads else profile
+        """The profile, with the offloads it offers among its variants (``core/offload.py``)."""
+        profile = self.profile
         self.end = profile.num_positions
         self.calls, self.members = _with_chains(profile)
         """The profile's calls, then one record per sibling chain (type ``CHAIN``, named
@@ -158,7 +161,7 @@ class SegmentModel:
         if chosen not in self._variant_models:
             if len(self._variant_models) >= VARIANT_MODELS_CACHED:
                 self._variant_models.pop(next(iter(self._variant_models)))
-            self._variant_models[chosen] = SegmentModel(with_variants(self.profile, chosen))
+            self._variant_models[chosen] = SegmentModel(with_variants(self.profile, chosen), offer_offloads=False)
         return self._variant_models[chosen]
 
     @cached_property
@@ -170,10 +173,32 @@ class SegmentModel:
     @cached_property
     def variant_conflicts(self) -> dict[int, tuple[int, ...]]:
         """Variant index -> the segments it cannot run with: checkpointing them would move the
-        same storages (so neither one's effect could be added to the other's)."""
+        same storages (so neither one's effect could be added to the other's), or, for an
+        offload, would run a checkpoint frame inside its call or around it (the frame's hooks
+        and the offload's would take each other's saves)."""
         touched = {call: set(self.touched_storages(call)) for call in self.segments}
-        return {index: tuple(call for call, storages in touched.items() if storages.intersection(ids))
-                for index, ids in self.variant_storages.items()}
+        conflicts = {}
+        for index, ids in self.variant_storages.items():
+            site = self.profile.variants[index]
+            first, end = site.ops[0], site.ops[-1] + 1
+            conflicts[index] = tuple(
+                call for call, storages in touched.items() if storages.intersection(ids)
+                or site.impl == "offload" and self.segments[call].first_op < end and first < self.segments[call].end_op)
+        return conflicts
+
+    @cached_property
+    def variant_clashes(self) -> frozenset[tuple[int, int]]:
+        """Pairs of variants that cannot run together: they change the same storages or ops
+        (an offload changes every op of its call)."""
+        sites = self.profile.variants
+        spans = [(site.ops[0], site.ops[-1] + 1) if site.impl == "offload" else None for site in sites]
+        clashes = []
+        for a in range(len(sites)):
+            for b in range(a + 1, len(sites)):
+                if set(self.variant_storages[a]).intersection(self.variant_storages[b]) \
+                        or _ops_meet(sites[a].ops, spans[a], sites[b].ops, spans[b]):
+                    clashes.append((a, b))
+        return frozenset(clashes)
 
     @cached_property
     def ancestors(self) -> list[tuple[int, ...]]:
@@ -367,6 +392,16 @@ class SegmentModel:
         touched.update(self.profile.packs[p].storage for p in seg.packs)
         touched.update(self.calls[call_index].inputs)
         return sorted(touched)
+
+
+def _ops_meet(ops_a: tuple[int, ...], span_a: tuple[int, int] | None, ops_b: tuple[int, ...],
+              span_b: tuple[int, int] | None) -> bool:
+    if span_a is not None and span_b is not None:
+        return span_a[0] < span_b[1] and span_b[0] < span_a[1]
+    if span_a is not None or span_b is not None:
+        (first, end), ops = (span_a, ops_b) if span_a is not None else (span_b, ops_a)  # type: ignore[misc]
+        return any(first <= op < end for op in ops)
+    return bool(set(ops_a).intersection(ops_b))
 
 
 def _with_chains(profile: Profile) -> tuple[tuple[ModuleCall, ...], dict[int, tuple[int, ...]]]:

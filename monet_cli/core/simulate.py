@@ -34,6 +34,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass
+from itertools import combinations
 
 from monet_cli.core.profile import Profile, StorageRecord
 from monet_cli.core.segments import Frame, SegmentModel
@@ -73,7 +74,7 @@ def memory_events(model: SegmentModel, plan: Plan, variants: Variants = frozense
 def variant_delta_events(model: SegmentModel, index: int) -> list[tuple[Key, int]]:
     """``memory_events({}, {index})`` minus ``memory_events({})``, from the storages the
     variant changes and those it adds (what it keeps, its temporaries); the others cancel."""
-    changed = SegmentModel(with_variants(model.profile, (index,)))
+    changed = SegmentModel(with_variants(model.profile, (index,)), offer_offloads=False)
     storages = list(model.variant_storages[index])
     temporaries = range(len(model.profile.storages), len(changed.profile.storages))
     after, before = _Events(changed, {}), _Events(model, {})
@@ -142,7 +143,7 @@ def simulate(profile: Profile, plan: Plan, *, model: SegmentModel | None = None,
     frames = events.frames
     recompute_ms = sum((model.recompute_ms(call, kept, frames[call]) for call, kept in plan.items()), 0.0)
     added_ms = sum((model.added_ms(call, kept, frames[call]) for call, kept in plan.items()), 0.0)
-    added_ms += sum((profile.variants[v].time_ms for v in variants), 0.0)
+    added_ms += sum((model.profile.variants[v].time_ms for v in variants), 0.0)
     return SimResult(
         peak_bytes=peak,
         peak_pos=max(peak_key[0], 0),
@@ -162,6 +163,10 @@ def _check_variants(model: SegmentModel, plan: Plan, variants: Variants) -> None
             site = model.profile.variants[index]
             raise ValueError(f"the variant at {site.module!r} and segment {model.segments[clash[0]].fqn!r} "
                              "change the same tensors")
+    for a, b in combinations(sorted(variants), 2):
+        if (a, b) in model.variant_clashes:
+            sites = model.profile.variants
+            raise ValueError(f"the variants at {sites[a].module!r} and {sites[b].module!r} change the same tensors")
 
 
 def _check_plan(model: SegmentModel, plan: Plan) -> None:

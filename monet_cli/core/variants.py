@@ -11,6 +11,9 @@
   indices, each maximum's offset inside its window (one or two bytes): the indices are
   rebuilt from them in backward, which needs no input.
 
+An offload (``monet_cli/core/offload.py``) is the same kind of rewrite, and rides along in
+``Profile.variants`` once ``with_offload_sites`` has added the sites a CUDA profile offers.
+
 ``with_variants`` rewrites a profile as if the chosen variants had run: what each saving
 node kept it keeps of another storage (same node, same unpack and release positions),
 storages nobody keeps any more die when Python drops them, and what a variant makes in its
@@ -24,6 +27,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
+from monet_cli.core.offload import apply_offload, offload_storages
 from monet_cli.core.profile import PackRecord, Profile, StorageRecord, VariantRecord, VariantSite
 
 BATCH_NORM_OPS = frozenset({
@@ -42,7 +46,7 @@ MIN_BN_WEIGHT = 1e-3
 variant, and falls back to keeping its input when applied: rebuilding the input divides by
 the weight."""
 
-TOLERANCE = {"bn_output": (1e-3, 1e-4), "maxpool_offsets": (0.0, 0.0)}
+TOLERANCE = {"bn_output": (1e-3, 1e-4), "maxpool_offsets": (0.0, 0.0), "offload": (0.0, 0.0)}
 """(rtol, atol) a schedule states for each variant. ``bn_output`` is not bit-identical (the
 BatchNorm's input is rebuilt from its output, rounding differently): each gradient and
 updated parameter element must be within rtol of the unmodified model's value plus atol
@@ -171,6 +175,8 @@ def _pack_calls(profile: Profile) -> dict[int, set[int | None]]:
 def changed_storages(profile: Profile, site: VariantSite, owner: list[int | None]) -> tuple[int, ...]:
     """The profile's storages whose lifetime the variant at ``site`` can change (``owner``:
     ``innermost_calls(profile)``, computed once by the caller)."""
+    if site.impl == "offload":
+        return tuple(offload_storages(profile, site))
     if site.impl == "bn_output":
         bn, act = site.ops[:2]
         return tuple(_largest_output(profile, k) for k in (profile.ops[bn].inputs[0], bn, act))  # type: ignore[misc]
@@ -208,7 +214,11 @@ def with_variants(profile: Profile, chosen: Iterable[int]) -> Profile:
     storages = list(profile.storages)
     owner = innermost_calls(profile)
     for index in sorted(set(chosen)):
-        _apply(_change(profile, owner, profile.variants[index]), packs, storages)
+        record = profile.variants[index]
+        if record.impl == "offload":
+            apply_offload(profile, record, packs, storages)
+        else:
+            _apply(_change(profile, owner, record), packs, storages)
     kept = [p for p in packs if p is not None]
     return replace(profile, packs=tuple(kept), storages=tuple(storages))
 

@@ -1,5 +1,5 @@
 """Apply a schedule to a model: checkpointed segments with a per-op keep policy, and
-operator variants outside them.
+operator variants and offloads outside them.
 
 Each scheduled module's ``forward`` runs under non-reentrant ``torch.utils.checkpoint``
 (``preserve_rng_state=True``, so dropout draws the same mask on recompute) with a
@@ -36,6 +36,7 @@ from monet_cli.core.schedule import Schedule, load_schedule
 from monet_cli.errors import CheckpointConflictError, FingerprintError
 from monet_cli.runtime.fingerprint import FirstForwardCheck, warn_if_untested_torch
 from monet_cli.runtime.meter import MachineryMarker
+from monet_cli.runtime.offload import install_offloads
 from monet_cli.runtime.variants import install_variants
 from monet_cli.workload.step import make_out_of_place, turn_off_kv_cache
 
@@ -72,6 +73,7 @@ def apply_schedule(model: nn.Module, schedule: Schedule | str | Path, *, check_f
             _wrap_forward(members[0], keep, marker)
             _guard_batchnorms(members[0])
     install_variants(model, schedule.variants, marker)
+    install_offloads([_module(modules, o.module) for o in schedule.offloads], schedule.offloads, marker)
     if check_fingerprint:
         FirstForwardCheck(model, schedule.fingerprint, marker).install()
     setattr(model, _APPLIED, schedule)

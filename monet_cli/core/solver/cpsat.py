@@ -3,10 +3,11 @@
 Variables: ``seg[c]`` checkpoints module call c; ``keep[c,i]`` keeps op i's output
 inside segment c (selective checkpointing) so it is not recomputed; ``nest[o,n]`` runs
 segment n nested inside segment o; ``variant[v]`` runs operator variant v (an output-keeping
-BatchNorm and what follows it, a max-pooling keeping offsets).
+BatchNorm and what follows it, a max-pooling keeping offsets) or offload v (a call's saved
+tensors in host memory).
 Constraints: chosen segments overlap only as a nested pair (one inner per outer, two
 levels, neither keeping anything); a keep needs its segment; a variant is never chosen with
-a segment that moves the same tensors; at every point of the step
+a segment or another variant that moves the same tensors; at every point of the step
 the linear memory model stays within the budget (points inside a recompute burst only
 count when that segment, or nested pair, is chosen).
 Objective: minimise recompute time in microseconds (the predicted overhead), or, in
@@ -146,11 +147,15 @@ def build_model(
 
 
 def _add_variants(cp: cp_model.CpModel, model: SegmentModel, v: Variables, offered: tuple[int, ...]) -> None:
-    """One choice per offered variant, never with a segment that moves the same tensors."""
+    """One choice per offered variant (an offload too), never with a segment or another variant
+    that moves the same tensors."""
     for index in offered:
         v.variant[index] = cp.new_bool_var(f"variant[{index}:{model.profile.variants[index].module}]")
         for call in model.variant_conflicts[index]:
             cp.add_at_most_one([v.variant[index], v.seg[call]])
+    for a, b in sorted(model.variant_clashes):
+        if a in v.variant and b in v.variant:
+            cp.add_at_most_one([v.variant[a], v.variant[b]])
 
 
 def _add_overlaps(cp: cp_model.CpModel, model: SegmentModel, v: Variables) -> None:

@@ -74,11 +74,13 @@ def _quiet(message: str) -> None:
 class Planner:
     """Everything derived from one profile, reused across budgets (sweeps)."""
 
-    def __init__(self, model: SegmentModel, *, variants: bool = True) -> None:
+    def __init__(self, model: SegmentModel, *, variants: bool = True, offloads: bool = True) -> None:
         self.model = model
         self.profile = model.profile
-        self.offered = tuple(range(len(model.profile.variants))) if variants else ()
-        """The operator variants the solver may choose (none when asked for checkpointing alone)."""
+        self.offered = tuple(i for i, site in enumerate(model.profile.variants)
+                             if (offloads if site.impl == "offload" else variants))
+        """The operator variants and offloads the solver may choose (``variants=False``: no
+        operator variant; ``offloads=False``: no offload)."""
         self.linear = LinearMemory(model, variants=self.offered)
         self.pool = self.linear.representative_points()
         """The points whose rows can bind; a row is built when it joins the CP model."""

@@ -1,0 +1,190 @@
+"""Run a schedule's offloads (``monet_cli/core/offload.py``): saved tensors of a module call
+held in host memory until backward needs them.
+
+While an offloaded call's forward runs, saved-tensor hooks count the saves it makes. Each
+save the schedule lists hands over its whole storage (once per storage, however many views
+of it are saved): the storage is copied to pinned host memory on a side stream, and the
+saved tensor becomes a handle. When the call returns, the compute stream waits for the
+copies; the device storage then dies with Python's last reference. In backward the first
+unpack of a handle copies the storage back to the device on the compute stream, and the
+handle drops its device copy once every save of that storage has been unpacked (the nodes'
+own references then end with the nodes).
+
+The copies go through a ``HostStore``: ``PinnedHost`` on CUDA. A CPU has no other memory
+to move to, so there is none there (tests bring their own store).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from monet_cli.core.schedule import OffloadDecision
+from monet_cli.errors import DeviceError, FingerprintError
+from monet_cli.runtime.meter import MachineryMarker
+
+
+class HostStore(Protocol):
+    def copy_out(self, data: torch.Tensor) -> Any:
+        """Start copying ``data`` (bytes of a device storage) to host memory; return the copy."""
+
+    def wait_out(self) -> None:
+        """Make the compute stream wait for every copy out started so far."""
+
+    def copy_in(self, host: Any, device: torch.device) -> torch.Tensor:
+        """A device byte tensor holding ``host``, ready for the compute stream."""
+
+
+class PinnedHost:
+    """Pinned host buffers, copies out on a side stream, copies back on the compute stream."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.stream = torch.cuda.Stream(device)
+
+    def copy_out(self, data: torch.Tensor) -> torch.Tensor:
+        host = torch.empty(data.numel(), dtype=torch.uint8, pin_memory=True)
+        self.stream.wait_stream(torch.cuda.current_stream(data.device))  # the data is made on the compute stream
+        with torch.cuda.stream(self.stream):
+            host.copy_(data, non_blocking=True)
+        return host
+
+    def wait_out(self) -> None:
+        torch.cuda.current_stream(self.stream.device).wait_stream(self.stream)
+
+    def copy_in(self, host: torch.Tensor, device: torch.device) -> torch.Tensor:
+        data = torch.empty(host.numel(), dtype=torch.uint8, device=device)
+        data.copy_(host, non_blocking=True)
+        return data
+
+
+def storage_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """All of ``tensor``'s storage as a flat byte tensor sharing it."""
+    storage = tensor.untyped_storage()
+    return torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(storage, 0, (storage.nbytes(),), (1,))
+
+
+class _Copy:
+    """One offloaded storage: its host copy, and its device copy while one is alive."""
+
+    def __init__(self, store: HostStore, data: torch.Tensor, marker: MachineryMarker) -> None:
+        self.store = store
+        self.marker = marker
+        self.where = data.device
+        self.device: torch.Tensor | None = data
+        """The forward's storage until the call returns, then the copy back while backward uses it."""
+        self.host = store.copy_out(data)
+        self.saves = 0
+        self.unpacked = 0
+
+    def unpack(self, saved: _Saved) -> torch.Tensor:
+        with self.marker:
+            if self.device is None:
+                self.device = self.store.copy_in(self.host, self.where)
+            data = self.device
+            self.unpacked += 1
+            if self.unpacked % self.saves == 0:  # every save of it has been unpacked (again, under retain_graph)
+                self.device = None
+            out = torch.empty(0, dtype=saved.dtype, device=data.device)
+            return out.set_(data.untyped_storage(), saved.offset, saved.size, saved.stride)
+
+
+@dataclass(frozen=True, slots=True)
+class _Saved:
+    """What autograd keeps of an offloaded save: the copy and the view of it that was saved."""
+
+    copy: _Copy
+    dtype: torch.dtype
+    offset: int
+    size: torch.Size
+    stride: tuple[int, ...]
+
+
+def _unpack(saved: Any) -> torch.Tensor:
+    return saved.copy.unpack(saved) if isinstance(saved, _Saved) else saved
+
+
+class _Offload:
+    """Saved-tensor hooks around one module's forward, for one offload decision."""
+
+    def __init__(self, module: nn.Module, decision: OffloadDecision, store: Callable[[torch.device], HostStore],
+                 marker: MachineryMarker) -> None:
+        self.module = module
+        self.marker = marker
+        self.decision = decision
+        self.moved = frozenset(decision.packs)
+        self.store = store
+        self.hooks: Any = None
+        self.saves = 0
+        self.copies: dict[tuple[torch.device, int], _Copy] = {}
+
+    def install(self) -> None:
+        self.module.register_forward_pre_hook(self._start)
+        self.module.register_forward_hook(self._finish, always_call=True)
+
+    def _start(self, module: nn.Module, args: Any) -> None:
+        if not torch.is_grad_enabled():
+            return
+        self.saves, self.copies = 0, {}
+        self.hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
+        self.hooks.__enter__()
+
+    def _pack(self, tensor: torch.Tensor) -> Any:
+        ordinal, self.saves = self.saves, self.saves + 1
+        if ordinal not in self.moved:
+            return tensor
+        if tensor.layout != torch.strided:
+            raise FingerprintError(f"offload of '{self.decision.module}': save {ordinal} is a {tensor.layout} tensor, "
+                                   "which the profile did not see")
+        key = (tensor.device, tensor.untyped_storage().data_ptr())
+        copy = self.copies.get(key)
+        if copy is None:
+            with self.marker:
+                self.saves = -1  # until the store exists: a device without one ends the forward here
+                store = self.store(tensor.device)
+                self.saves = ordinal + 1
+                copy = self.copies[key] = _Copy(store, storage_bytes(tensor), self.marker)
+        copy.saves += 1
+        return _Saved(copy, tensor.dtype, tensor.storage_offset(), tensor.size(), tensor.stride())
+
+    def _finish(self, module: nn.Module, args: Any, output: Any) -> None:
+        if self.hooks is None:
+            return
+        self.hooks.__exit__(None, None, None)
+        self.hooks = None
+        with self.marker:
+            for store in {id(c.store): c.store for c in self.copies.values()}.values():
+                store.wait_out()
+        for copy in self.copies.values():
+            copy.device = None  # the forward's reference: the storage dies with Python's last one
+        self.copies = {}
+        if self.saves not in (-1, self.decision.saves):
+            raise FingerprintError(f"offload of '{self.decision.module}': its forward saved {self.saves} tensors for "
+                                   f"backward, the schedule expects {self.decision.saves} (a changed model?)")
+
+
+def pinned_host_store() -> Callable[[torch.device], HostStore]:
+    """One ``PinnedHost`` per CUDA device; refuses any other device."""
+    stores: dict[torch.device, HostStore] = {}
+
+    def store(device: torch.device) -> HostStore:
+        if device.type != "cuda":
+            raise DeviceError(f"offload needs a CUDA device: this model runs on {device.type}")
+        if device not in stores:
+            stores[device] = PinnedHost(device)
+        return stores[device]
+
+    return store
+
+
+def install_offloads(modules: Iterable[nn.Module], offloads: Iterable[OffloadDecision], marker: MachineryMarker,
+                     store: Callable[[torch.device], HostStore] | None = None) -> None:
+    """Hook each offloaded call's module (``modules``, in the order of ``offloads``; the
+    copies' ops run under ``marker``; ``store``: where the copies go, by device, pinned host
+    memory on CUDA by default)."""
+    chosen = store or pinned_host_store()
+    for module, decision in zip(modules, offloads, strict=True):
+        _Offload(module, decision, chosen, marker).install()

@@ -1,0 +1,158 @@
+"""Offload: which calls a CUDA profile offers, the solver's rows for them, and the runtime's
+hooks, run on this CPU through a host store of numpy arrays (memory the meter does not see,
+as device memory does not see pinned host memory). Streams and copy times need a GPU:
+``tests/test_gpu.py``."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+
+import monet_cli.core.offload as core_offload
+import monet_cli.runtime.offload as runtime_offload
+from monet_cli.core.plan import build_schedule, variants_of
+from monet_cli.core.profile import Transfer
+from monet_cli.core.schedule import SolverInfo, load_schedule, save_schedule
+from monet_cli.core.segments import SegmentModel
+from monet_cli.core.simulate import simulate
+from monet_cli.core.solver.linear import LinearMemory, live_series
+from monet_cli.core.solver.search import Planner
+from monet_cli.errors import DeviceError, FingerprintError
+from monet_cli.runtime.compare import run_apply
+from monet_cli.runtime.executor import apply_schedule
+from monet_cli.runtime.meter import MachineryMarker
+from monet_cli.workload.step import build_workload
+
+CPU = torch.device("cpu")
+INFO = SolverInfo(method="test", status="n/a", objective=None, bound=None, gap=None, time_s=0.0, workers=1,
+                  seed=0, time_limit_s=0.0, ortools="")
+# About PCIe 4 with pinned memory: 25 GB/s each way, 10 us per copy.
+TRANSFER = Transfer(fixed_ms=0.01, to_host_bytes_per_ms=25e6, to_device_bytes_per_ms=25e6)
+
+
+class ArrayHost:
+    """Copies to numpy arrays: out of the meter's sight, like pinned memory out of the device's."""
+
+    def __init__(self) -> None:
+        self.copied_out = 0
+
+    def copy_out(self, data: torch.Tensor) -> np.ndarray:
+        self.copied_out += data.numel()
+        return data.numpy().copy()
+
+    def wait_out(self) -> None:
+        pass
+
+    def copy_in(self, host: np.ndarray, device: torch.device) -> torch.Tensor:
+        data = torch.empty(host.size, dtype=torch.uint8, device=device)
+        return data.copy_(torch.from_numpy(host))
+
+
+@pytest.fixture
+def host(monkeypatch):
+    store = ArrayHost()
+    monkeypatch.setattr(runtime_offload, "pinned_host_store", lambda: lambda device: store)
+    return store
+
+
+@pytest.fixture
+def small_sites(monkeypatch):
+    """resnet18 at 32 px moves well under 1 MiB per call: offer every call that moves anything."""
+    monkeypatch.setattr(core_offload, "MIN_OFFLOAD_BYTES", 1)
+
+
+def _offloads(model: SegmentModel) -> dict[str, int]:
+    return {site.module: i for i, site in enumerate(model.profile.variants) if site.impl == "offload"}
+
+
+def test_a_cpu_profile_offers_no_offload(resnet18_profile, small_sites):
+    assert resnet18_profile.transfer is None
+    assert not _offloads(SegmentModel(resnet18_profile))
+
+
+def test_offload_rows_are_the_simulators_and_exclude_what_shares_their_tensors(resnet18_profile, small_sites):
+    profile = replace(resnet18_profile, transfer=TRANSFER)
+    model = SegmentModel(profile)
+    offloads = _offloads(model)
+    assert {"layer1", "layer1.0", "layer4.1"} <= set(offloads)
+    linear = LinearMemory(model, variants=tuple(offloads.values()))
+    base = simulate(profile, {}, model=model).peak_bytes
+    lowered = 0
+    for index in offloads.values():
+        chosen = frozenset({index})
+        mask = linear.active_mask({})
+        assert np.array_equal(linear.live({}, chosen)[mask], linear.predict({}, chosen)[mask])
+        result = simulate(profile, {}, model=model, variants=chosen)
+        assert result.step_ms == pytest.approx(profile.baseline.step_ms + model.profile.variants[index].time_ms)
+        lowered += result.peak_bytes < base
+    assert lowered
+    # A call and its sub-call move the same tensors; a segment inside or around an offloaded
+    # call would take its saves.
+    assert tuple(sorted((offloads["layer1"], offloads["layer1.0"]))) in model.variant_clashes
+    segment = {model.calls[c].fqn: c for c in model.segments}
+    assert segment["layer1.0.conv1"] in model.variant_conflicts[offloads["layer1"]]
+    assert segment["layer1"] in model.variant_conflicts[offloads["layer1.0"]]
+    with pytest.raises(ValueError, match="change the same tensors"):
+        simulate(profile, {}, model=model, variants=frozenset({offloads["layer1"], offloads["layer1.0"]}))
+
+
+def test_the_solver_offloads_when_copies_are_cheaper_than_recompute(skip_cnn_profile, small_sites):
+    free = replace(skip_cnn_profile, transfer=replace(TRANSFER, fixed_ms=0.0, to_host_bytes_per_ms=1e12,
+                                                        to_device_bytes_per_ms=1e12))
+    floor = Planner(SegmentModel(skip_cnn_profile)).minimum_peak(time_limit_s=20, workers=1, seed=0).peak_bytes
+    budget = (skip_cnn_profile.baseline.peak_bytes + floor) // 2
+    planner = Planner(SegmentModel(free))
+    outcome = planner.solve(budget, time_limit_s=20, workers=1, seed=0)
+    sites = planner.model.profile.variants
+    assert outcome.result.peak_bytes <= budget and outcome.status == "OPTIMAL"
+    assert outcome.plan == {} and outcome.variants and all(sites[v].impl == "offload" for v in outcome.variants)
+    without = Planner(SegmentModel(free), offloads=False).solve(budget, time_limit_s=20, workers=1, seed=0)
+    assert without.plan and not any(sites[v].impl == "offload" for v in without.variants)
+    assert outcome.result.step_ms < without.result.step_ms
+
+
+def _schedule(profile, model: SegmentModel, names: list[str], tmp_path):
+    offloads = _offloads(model)
+    schedule = build_schedule(profile, {}, budget_bytes=profile.baseline.peak_bytes, budget_spec="100%",
+                              solver=INFO, profile_sha256="", model=model,
+                              variants=frozenset(offloads[name] for name in names))
+    save_schedule(schedule, tmp_path / "offload.yaml")
+    loaded = load_schedule(tmp_path / "offload.yaml")  # the decision survives the file
+    assert loaded == schedule and [o.module for o in loaded.offloads] == names
+    assert variants_of(loaded, profile) == frozenset(offloads[name] for name in names)
+    return loaded
+
+
+def test_offloaded_calls_run_as_simulated_with_the_unmodified_gradients(resnet18_profile, small_sites, host,
+                                                                       tmp_path):
+    profile = replace(resnet18_profile, transfer=TRANSFER)
+    model = SegmentModel(profile)
+    names = ["bn1", "layer1", "layer3.1"]
+    schedule = _schedule(profile, model, names, tmp_path)
+    plan_variants = variants_of(schedule, profile)
+    report = run_apply(schedule, CPU, steps=1, check=False, timeline=True)
+    assert report.timeline == live_series(model, {}, plan_variants)
+    assert report.measured_peak_bytes == schedule.predicted.peak_bytes < profile.baseline.peak_bytes
+    per_step = sum(o.bytes for o in schedule.offloads)  # each storage copied once, however often saved
+    assert host.copied_out and host.copied_out % per_step == 0
+    checked = run_apply(schedule, CPU, steps=2, check=True)
+    assert checked.check.grads_match and checked.check.params_match and checked.check.buffers_match
+
+
+def test_a_changed_call_or_a_cpu_device_is_refused(resnet18_profile, small_sites, tmp_path):
+    profile = replace(resnet18_profile, transfer=TRANSFER)
+    schedule = _schedule(profile, SegmentModel(profile), ["layer1.0"], tmp_path)
+    workload = build_workload(schedule.model, CPU)
+    apply_schedule(workload.model, schedule)
+    with pytest.raises(DeviceError, match="needs a CUDA device"):
+        workload.step()  # no host store on a CPU
+    offload = schedule.offloads[0]
+    changed = replace(schedule, decisions=(replace(offload, saves=offload.saves + 1),))
+    workload = build_workload(schedule.model, CPU)
+    runtime_offload.install_offloads([workload.model.get_submodule("layer1.0")], changed.offloads,
+                                     MachineryMarker(), store=lambda device: ArrayHost())
+    with pytest.raises(FingerprintError, match="saved .* tensors for backward"):
+        workload.step()

@@ -5,22 +5,33 @@ as device memory does not see pinned host memory). Streams and copy times need a
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 
 import numpy as np
 import pytest
 import torch
+from typer.testing import CliRunner
 
 import monet_cli.core.offload as core_offload
 import monet_cli.runtime.offload as runtime_offload
+from monet_cli.cli.app import app
+from monet_cli.core.codec import to_data
 from monet_cli.core.plan import build_schedule, variants_of
-from monet_cli.core.profile import Transfer
-from monet_cli.core.schedule import SolverInfo, load_schedule, save_schedule
+from monet_cli.core.profile import Transfer, load_profile, save_profile
+from monet_cli.core.schedule import (
+    SegmentDecision,
+    SolverInfo,
+    load_schedule,
+    save_schedule,
+    schedule_from_data,
+    with_content_hash,
+)
 from monet_cli.core.segments import SegmentModel
 from monet_cli.core.simulate import simulate
 from monet_cli.core.solver.linear import LinearMemory, live_series
 from monet_cli.core.solver.search import Planner
-from monet_cli.errors import DeviceError, FingerprintError
+from monet_cli.errors import EXIT_DEVICE, DeviceError, FileFormatError, FingerprintError
 from monet_cli.runtime.compare import run_apply
 from monet_cli.runtime.executor import apply_schedule
 from monet_cli.runtime.meter import MachineryMarker
@@ -156,3 +167,43 @@ def test_a_changed_call_or_a_cpu_device_is_refused(resnet18_profile, small_sites
                                      MachineryMarker(), store=lambda device: ArrayHost())
     with pytest.raises(FingerprintError, match="saved .* tensors for backward"):
         workload.step()
+
+
+def test_cli_solve_inspect_validate_and_a_refused_apply(skip_cnn_profile, small_sites, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    path = tmp_path / "cnn.profile.yaml"
+    free = replace(TRANSFER, fixed_ms=0.0, to_host_bytes_per_ms=1e12, to_device_bytes_per_ms=1e12)
+    save_profile(replace(skip_cnn_profile, transfer=free), path)
+    assert load_profile(path).transfer == free
+    floor = Planner(SegmentModel(skip_cnn_profile)).minimum_peak(time_limit_s=20, workers=1, seed=0).peak_bytes
+    budget = str((skip_cnn_profile.baseline.peak_bytes + floor) // 2)
+    runner = CliRunner()
+    solved = runner.invoke(app, ["solve", str(path), "--budget", budget, "--workers", "1", "--json", "-o", "s.yaml"])
+    assert solved.exit_code == 0, solved.output
+    summary = json.loads(solved.stdout)
+    assert summary["offloads"] >= 1 and summary["offloaded_bytes"] > 0
+    plain = runner.invoke(app, ["solve", str(path), "--budget", budget, "--workers", "1", "--json", "--no-offload",
+                                "-o", "plain.yaml"])
+    assert json.loads(plain.stdout)["offloads"] == 0
+    schedule = json.loads(runner.invoke(app, ["inspect", "s.yaml", "--json"]).stdout)
+    assert [o["module"] for o in schedule["offloads"]] == [o.module for o in load_schedule(tmp_path / "s.yaml").offloads]
+    offered = json.loads(runner.invoke(app, ["inspect", str(path), "--json"]).stdout)["offload_sites"]
+    assert {o["module"] for o in schedule["offloads"]} <= {o["module"] for o in offered}
+    checked = runner.invoke(app, ["validate", "s.yaml", "--json"])
+    assert checked.exit_code == 0, checked.output
+    assert "offload modules" in [c["name"] for c in json.loads(checked.stdout)["checks"]]
+    applied = runner.invoke(app, ["apply", "s.yaml"])  # on this CPU: no host memory to move to
+    assert applied.exit_code == EXIT_DEVICE and "offload needs a CUDA device" in applied.output
+    assert "Traceback" not in applied.output
+
+
+def test_an_offload_inside_a_segment_is_refused_on_load(resnet18_profile, small_sites, tmp_path):
+    profile = replace(resnet18_profile, transfer=TRANSFER)
+    schedule = _schedule(profile, SegmentModel(profile), ["layer1.0"], tmp_path)
+    offload = schedule.offloads[0]
+    layer1 = next(c for c in profile.calls if c.fqn == "layer1")
+    segment = SegmentDecision(module="layer1", call=layer1.index, first_op=layer1.first_op, end_op=layer1.end_op,
+                              recompute_ms=0.0)
+    edited = with_content_hash(replace(schedule, decisions=(segment, offload)))
+    with pytest.raises(FileFormatError, match="offload at 'layer1.0' runs inside segment 'layer1'"):
+        schedule_from_data(to_data(edited), source="edited.yaml")

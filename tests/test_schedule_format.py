@@ -47,7 +47,7 @@ def test_a_schema_1_file_edited_by_hand_is_refused():
 
 
 @pytest.mark.parametrize(("edit", "message"), [
-    (lambda d: d["decisions"].append({"kind": "offload", "op": 3}), "unknown kind .offload. .known: segment, keep"),
+    (lambda d: d["decisions"].append({"kind": "swap", "op": 3}), "unknown kind .swap. .known: segment, keep, variant, offload"),
     (lambda d: d["decisions"][0].update(kind=[]), r"decisions\[0\].kind: unknown kind \[\]"),  # found by fuzzing
     (lambda d: d.update(schema_version=3), "written by a newer monet"),
 ])

@@ -236,5 +236,5 @@ def test_a_profile_without_the_schedules_variants_is_a_usage_error(chain_profile
     schedule = build_schedule(chain_profile, {}, budget_bytes=chain_profile.baseline.peak_bytes, budget_spec="100%",
                               solver=INFO, profile_sha256="", variants=every)
     older = dataclasses.replace(chain_profile, variants=())
-    with pytest.raises(UsageError, match="offers no operator variant at '1'"):
+    with pytest.raises(UsageError, match="offers no operator variant or offload at '1'"):
         variants_of(schedule, older)

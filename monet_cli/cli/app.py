@@ -150,6 +150,11 @@ def solve(
         typer.Option(help="Let the solver choose operator variants (output-keeping BatchNorm; gradients within a "
                           "stated tolerance). --no-variants: checkpointing only, bit-exact gradients."),
     ] = True,
+    offload: Annotated[
+        bool,
+        typer.Option(help="Let the solver move a module call's saved tensors to host memory until backward needs "
+                          "them (CUDA profiles only: they measure the copy speed). --no-offload: never."),
+    ] = True,
     json_output: Annotated[bool, typer.Option("--json", help="Print a JSON summary on stdout.")] = False,
 ) -> None:
     from monet_cli.cli import solve_cmd
@@ -164,7 +169,7 @@ def solve(
             raise UsageError("--output names one file; with --sweep schedules go to schedules/NAME-BUDGET.yaml")
         args = solve_cmd.SolveArgs(
             profile=profile, budget=budget, output=output, time_limit=time_limit, workers=workers,
-            seed=seed, json_output=json_output, variants=variants,
+            seed=seed, json_output=json_output, variants=variants, offloads=offload,
         )
         if sweep:
             solve_cmd.run_sweep(args, sweep, plot)

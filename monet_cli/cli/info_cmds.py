@@ -93,6 +93,16 @@ def _segment_modules(schedule: Schedule, workload) -> Check:
     return Check(name="segment modules", status="passed", detail=f"all {len(schedule.segments)} found in the model")
 
 
+def _offload_modules(schedule: Schedule, workload) -> list[Check]:
+    if not schedule.offloads:
+        return []
+    names = {name for name, _ in workload.model.named_modules()}
+    missing = [o.module for o in schedule.offloads if o.module not in names]
+    if missing:
+        return [Check(name="offload modules", status="failed", detail=f"not in the model: {', '.join(missing[:3])}")]
+    return [Check(name="offload modules", status="passed", detail=f"all {len(schedule.offloads)} found in the model")]
+
+
 def _variant_modules(schedule: Schedule, workload) -> list[Check]:
     """Each operator variant's modules exist, are of the kinds it runs in, and a BatchNorm's
     weight is far enough from zero to rebuild its input."""
@@ -130,7 +140,7 @@ def validate(path: Path, model_spec: str | None) -> Validation:
     here = made_on == "cpu" or torch.cuda.is_available()
     workload = _workload(schedule, model_spec, resolve_device(made_on if here else "cpu"))
     checks += [_modules_check(schedule, workload), _segment_modules(schedule, workload),
-               *_variant_modules(schedule, workload)]
+               *_variant_modules(schedule, workload), *_offload_modules(schedule, workload)]
     found = {}
     if here:
         fingerprint = model_fingerprint(workload)

@@ -62,6 +62,7 @@ def top_holders(model: SegmentModel, plan: Plan, variants: Variants = frozenset(
 
 def profile_report(profile: Profile, path: Path) -> dict[str, Any]:
     slow = sorted(profile.ops, key=lambda op: -op.time_ms)[:TOP]
+    model = SegmentModel(profile)
     return {
         "file": str(path), "kind": profile.kind, "model": asdict(profile.model), "device": asdict(profile.device),
         "env": asdict(profile.env), "fingerprint": asdict(profile.fingerprint), "baseline": asdict(profile.baseline),
@@ -72,10 +73,13 @@ def profile_report(profile: Profile, path: Path) -> dict[str, Any]:
         # Calls that run no ops would never be worth a segment: listing them is noise.
         "not_checkpointable": [{"module": c.fqn or "<model>", "reason": c.reason} for c in profile.calls
                                if c.reason and c.end_op > c.first_op],
-        "top_memory_at_peak": top_holders(SegmentModel(profile), {}),
+        "top_memory_at_peak": top_holders(model, {}),
         "slowest_ops": [{"index": op.index, "op": op.op, "module": op.module or LOSS_MODULE, "time_ms": op.time_ms}
                         for op in slow],
         "variant_sites": [_variant_row(v, v) for v in profile.variants],
+        "transfer": None if profile.transfer is None else asdict(profile.transfer),
+        "offload_sites": [{"module": v.module, "bytes": v.native_saved_bytes, "time_ms": v.time_ms}
+                          for v in model.profile.variants if v.impl == "offload"],
     }
 
 
@@ -107,6 +111,7 @@ def schedule_report(schedule: Schedule, path: Path, profile: Profile | None) -> 
         "budget_bytes": schedule.budget_bytes, "budget_spec": schedule.budget_spec,
         "predicted": asdict(schedule.predicted), "solver": asdict(schedule.solver), "segments": segments,
         "variants": [_variant_row(v, measured.get((v.impl, v.ops))) for v in schedule.variants],
+        "offloads": [{"module": o.module, "bytes": o.bytes, "time_ms": o.time_ms} for o in schedule.offloads],
         "tolerance": schedule.tolerance(),
         "top_memory_at_peak": None,
     }

@@ -124,6 +124,7 @@ def schedule_table(schedule: Schedule, path: str) -> Table:
         ("segments", f"{len(schedule.segments)} checkpointed ({len(schedule.chains)} "
                      f"chains of sibling calls), {kept} op outputs kept"),
         ("variants", _variants_line(schedule)),
+        ("offloads", _offloads_line(schedule)),
         ("solver", f"{solver.method}: {solver.status}"),
         ("objective / bound", "-" if solver.objective is None else f"{solver.objective:.3f} / {solver.bound:.3f} ms recompute"),
         ("gap", _gap(solver.gap)),
@@ -145,6 +146,13 @@ def _variants_line(schedule: Schedule) -> str:
     if tolerance is None:
         return f"{listed} (gradients bit-exact)"
     return f"{listed} (gradients within rtol {tolerance[0]:g}, atol {tolerance[1]:g} x the largest gradient)"
+
+
+def _offloads_line(schedule: Schedule) -> str:
+    if not schedule.offloads:
+        return "none"
+    moved = format_bytes(sum(o.bytes for o in schedule.offloads))
+    return f"{len(schedule.offloads)} calls' saved tensors in host memory ({moved})"
 
 
 def print_pairs(title: str, data: dict[str, Any]) -> None:
@@ -198,6 +206,15 @@ def inspect_tables(report: dict[str, Any]) -> None:
             saves = "-" if v["saves_bytes"] is None else format_bytes(v["saves_bytes"])
             table.add_row(VARIANT_NAMES.get(v["impl"], v["impl"]), v["module"], ", ".join(v["modules"][1:]) or "-",
                           saves, f"{v['time_ms']:+.2f} ms")
+        console.print(table)
+    offloads = report.get("offloads") or report.get("offload_sites")
+    if offloads:
+        title = "offloads" + ("" if report["kind"] == "monet.schedule" else ": calls the solver may offload")
+        table = Table(title=f"{title} (saved tensors in host memory until backward)", title_justify="left")
+        for column in ("module", "moves", "time"):
+            table.add_column(column)
+        for o in offloads:
+            table.add_row(o["module"] or "<model>", format_bytes(o["bytes"]), f"{o['time_ms']:+.2f} ms")
         console.print(table)
     if report.get("not_checkpointable"):
         blocked = Table(title="module calls monet will not checkpoint", title_justify="left")

@@ -28,6 +28,7 @@ class SolveArgs:
     seed: int
     json_output: bool
     variants: bool = True
+    offloads: bool = True
 
 
 def newest(pattern: str, what: str) -> Path:
@@ -53,10 +54,10 @@ def schedule_name(profile_path: Path, budget_spec: str) -> str:
 
 def solve_profile(
     profile: Profile, profile_path: Path, budget_spec: str, *, time_limit: float, workers: int, seed: int,
-    variants: bool = True, report=lambda message: None,
+    variants: bool = True, offloads: bool = True, report=lambda message: None,
 ) -> tuple[Schedule, SolveOutcome]:
     budget = parse_budget(budget_spec, baseline_peak_bytes=profile.baseline.peak_bytes)
-    planner = Planner(SegmentModel(profile), variants=variants)
+    planner = Planner(SegmentModel(profile), variants=variants, offloads=offloads)
     schedule, outcome = solve_schedule(planner, budget, budget_spec, time_limit_s=time_limit, workers=workers,
                                        seed=seed, profile_sha256=file_sha256(profile_path), report=report)
     if schedule is None:
@@ -109,6 +110,8 @@ def summary(schedule: Schedule, path: Path) -> dict[str, Any]:
         "chains": len(schedule.chains),
         "kept_ops": len(schedule.keeps),
         "variants": len(schedule.variants),
+        "offloads": len(schedule.offloads),
+        "offloaded_bytes": sum(o.bytes for o in schedule.offloads),
         "tolerance": schedule.tolerance(),
         "status": schedule.solver.status,
         "method": schedule.solver.method,
@@ -142,7 +145,7 @@ def run(args: SolveArgs) -> None:
     with stderr.status("solving ...") as status:
         schedule, _ = solve_profile(
             profile, profile_path, args.budget, time_limit=args.time_limit, workers=workers, seed=args.seed,
-            variants=args.variants, report=lambda message: _show(status, message),
+            variants=args.variants, offloads=args.offloads, report=lambda message: _show(status, message),
         )
     save_schedule(schedule, output)
     if args.json_output:
@@ -189,7 +192,7 @@ def run_sweep(args: SolveArgs, sweep: str, plot: Path | None) -> None:
 
     profile_path, profile, workers = _inputs(args)
     budgets = sweep_budgets(sweep, profile.baseline.peak_bytes)
-    planner = Planner(SegmentModel(profile), variants=args.variants)
+    planner = Planner(SegmentModel(profile), variants=args.variants, offloads=args.offloads)
     rows, hint = [], None
     with stderr.status("solving ...") as status:
         for spec in budgets:

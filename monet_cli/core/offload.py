@@ -92,22 +92,24 @@ def offload_sites(profile: Profile) -> tuple[VariantRecord, ...]:
         if nbytes < MIN_OFFLOAD_BYTES or any(profile.packs[k].unpack is None for k in packs
                                              if profile.packs[k].storage in storages):
             continue
+        sizes = [profile.storages[sid].bytes for sid in storages]
         sites.append(VariantRecord(
             impl="offload", ops=tuple(range(call.first_op, call.end_op)), modules=(call.fqn,),
-            time_ms=round(_cost_ms(profile, call, [profile.storages[sid].bytes for sid in storages]), 4),
+            time_ms=round(_cost_ms(profile, call, sizes, len(packs)), 4),
             saved_bytes=0, native_saved_bytes=nbytes,
         ))
     return tuple(sites)
 
 
-def _cost_ms(profile: Profile, call: ModuleCall, sizes: list[int]) -> float:
+def _cost_ms(profile: Profile, call: ModuleCall, sizes: list[int], saves: int) -> float:
     """Copies out beyond the call's own forward time (they run beside it), plus copies back
-    (the compute stream waits for each)."""
+    (the compute stream waits for each), plus the saved-tensor hooks every save of the call
+    goes through (priced as checkpoint's, measured by the profile)."""
     assert profile.transfer is not None
     out_ms = sum(transfer_ms(profile.transfer, n, to_host=True) for n in sizes)
     forward_ms = sum(op.time_ms for op in profile.ops[call.first_op:call.end_op])
     back_ms = sum(transfer_ms(profile.transfer, n, to_host=False) for n in sizes)
-    return max(0.0, out_ms - forward_ms) + back_ms
+    return max(0.0, out_ms - forward_ms) + back_ms + saves * profile.overheads.saved_tensor_ms
 
 
 def with_offload_sites(profile: Profile) -> Profile:

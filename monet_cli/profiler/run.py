@@ -33,6 +33,7 @@ from monet_cli.errors import ModelError
 from monet_cli.profiler.capture import LifetimeRecorder, OpTimer, StepRecorder, Timings
 from monet_cli.profiler.overheads import measure_overheads
 from monet_cli.profiler.rehearse import Rehearsal
+from monet_cli.profiler.transfer import measure_transfer
 from monet_cli.profiler.variants import measure_variants
 from monet_cli.runtime.fingerprint import model_modules_hash, warn_if_untested_torch
 from monet_cli.workload.step import Workload, build_workload, configure_cuda, run_checked
@@ -69,6 +70,7 @@ def profile_model(
     run_checked(lambda: lifetimes.record_forward(workload), "lifetime pass")
     progress("measuring checkpoint overheads")
     overheads = measure_overheads(device)
+    transfer = measure_transfer(device)
     timings = Timings()
     for i in range(steps):
         progress(f"timing ops (step {i + 1}/{steps})")
@@ -84,7 +86,7 @@ def profile_model(
     profile = build_profile(workload, recorder, lifetimes, timings, measurement.peak_bytes, measurement.meter, reasons)
     progress("measuring operator variants")
     variants = run_checked(lambda: measure_variants(workload, find_sites(profile)), "measuring operator variants")
-    return replace(profile, overheads=overheads, variants=variants)
+    return replace(profile, overheads=overheads, transfer=transfer, variants=variants)
 
 
 def _timed_ops(workload: Workload, recorder: StepRecorder) -> list[float]:

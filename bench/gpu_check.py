@@ -16,6 +16,7 @@ network access gets it from wheels made here with ``make gpu-wheels``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime as dt
 import json
 import platform
@@ -82,6 +83,7 @@ def run_workload(name: str, device: torch.device) -> dict:
             "predicted_overhead": schedule.predicted.overhead,
             "measured_overhead": report.step_ms / report.baseline_step_ms - 1 if report.baseline_step_ms else None,
             "grads_ok": check.ok, "check": check.describe(), "max_grad_diff": check.max_grad_diff,
+            "offloads": [o.module for o in schedule.offloads],
         })
     return {
         "workload": name, "model": profile.model.name, "batch_size": profile.model.batch_size,
@@ -90,6 +92,7 @@ def run_workload(name: str, device: torch.device) -> dict:
         "floor_bytes": lowest.peak_bytes, "op_ms_sum": round(sum(o.time_ms for o in profile.ops)
                                                             + sum(o.time_ms for o in profile.backward), 2),
         "baseline_step_ms": profile.baseline.step_ms,
+        "transfer": None if profile.transfer is None else dataclasses.asdict(profile.transfer),
         "workspace_ops": sum(1 for o in (*profile.ops, *profile.backward) if o.workspace_bytes), "runs": runs,
     }
 
@@ -99,6 +102,11 @@ def run_gpu_tests() -> dict:
                             cwd=ROOT, capture_output=True, text=True, check=False)
     tail = (result.stdout.strip().splitlines() or [""])[-1]
     return {"returncode": result.returncode, "summary": tail}
+
+
+def _offloaded(run: dict) -> str:
+    offloads = run.get("offloads")
+    return f"; offloads {', '.join(m or '<model>' for m in offloads)}" if offloads else ""
 
 
 def render(summary: dict) -> str:
@@ -122,7 +130,7 @@ def render(summary: dict) -> str:
                 f"({r['budget_bytes'] / 2**20:.1f} MiB) | {r['predicted_peak_bytes'] / 2**20:.2f} MiB | "
                 f"{r['measured_peak_bytes'] / 2**20:.2f} MiB | {100 * r['error']:+.2f}% | {r['within_budget']} | "
                 f"{100 * r['predicted_overhead']:+.1f}% / {measured} | {'ok' if r['grads_ok'] else 'DIFFER'}: "
-                f"{r['check']} |"
+                f"{r['check']}{_offloaded(r)} |"
             )
     lines += ["", "| workload | baseline measured | baseline simulated | smallest peak | op times summed / step | ops with workspace |",
               "|---|---|---|---|---|---|"]

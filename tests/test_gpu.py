@@ -82,3 +82,31 @@ def test_a_cuda_schedule_holds_its_budget_and_gradients():
     assert report.within_budget, report
     assert abs(report.prediction_error) <= 0.02, report
     assert report.check.ok, report.check
+
+
+@pytest.mark.gpu
+def test_an_offload_holds_its_budget_and_gradients_on_cuda():
+    """The largest offload resnet18 offers, alone: pinned copies on a side stream, the peak the
+    simulator predicts, the unmodified model's gradients."""
+    from monet_cli.core.plan import build_schedule
+    from monet_cli.core.schedule import SolverInfo
+    from monet_cli.core.segments import SegmentModel
+    from monet_cli.profiler.run import profile_model
+    from monet_cli.runtime.compare import run_apply
+
+    device = torch.device("cuda")
+    profile = profile_model(small_spec("resnet18", shape=(3, 64, 64), batch_size=16), device, steps=2)
+    assert profile.transfer is not None and profile.transfer.to_host_bytes_per_ms > 0
+    model = SegmentModel(profile)
+    sites = [(v.native_saved_bytes, i) for i, v in enumerate(model.profile.variants) if v.impl == "offload"]
+    assert sites, "no call to offload"
+    chosen = frozenset({max(sites)[1]})
+    info = SolverInfo(method="test", status="n/a", objective=None, bound=None, gap=None, time_s=0.0, workers=1,
+                      seed=0, time_limit_s=0.0, ortools="")
+    schedule = build_schedule(profile, {}, budget_bytes=profile.baseline.peak_bytes, budget_spec="100%", solver=info,
+                              profile_sha256="", model=model, variants=chosen)
+    assert schedule.offloads
+    report = run_apply(schedule, device, steps=2, check=True)
+    assert report.within_budget, report
+    assert abs(report.prediction_error) <= 0.02, report
+    assert report.check.ok, report.check

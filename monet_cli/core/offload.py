@@ -49,13 +49,20 @@ def call_packs(profile: Profile, call: int, inside: list[set[int]] | None = None
     return [k for k, pack in enumerate(profile.packs) if pack.call in inside[call]]
 
 
-def movable_storages(profile: Profile, call: ModuleCall, packs: list[int]) -> list[int]:
-    """The storages an offload of ``call`` moves: activations it makes, saved only by its own
-    ``packs``, never written in place, and dropped by Python before the call returns (nothing
-    after it reads them: not its outputs)."""
+def _savers(profile: Profile) -> dict[int, set[int]]:
+    """Storage -> the packs that save it."""
     savers: dict[int, set[int]] = defaultdict(set)
     for k, pack in enumerate(profile.packs):
         savers[pack.storage].add(k)
+    return savers
+
+
+def movable_storages(profile: Profile, call: ModuleCall, packs: list[int],
+                     savers: dict[int, set[int]] | None = None) -> list[int]:
+    """The storages an offload of ``call`` moves: activations it makes, saved only by its own
+    ``packs``, never written in place, and dropped by Python before the call returns (nothing
+    after it reads them: not its outputs)."""
+    savers = savers or _savers(profile)
     ours = set(packs)
     found = []
     for sid in sorted({profile.packs[k].storage for k in packs}):
@@ -80,14 +87,14 @@ def offload_sites(profile: Profile) -> tuple[VariantRecord, ...]:
     """Every call worth offloading, as a rewrite record (empty without a measured ``transfer``)."""
     if profile.transfer is None:
         return ()
-    inside = _inside(profile)
+    inside, savers = _inside(profile), _savers(profile)
     calls_per_module = Counter(call.fqn for call in profile.calls)
     sites = []
     for call in profile.calls:
         if calls_per_module[call.fqn] > 1:
             continue  # the runtime hooks a module, which would offload every one of its calls
         packs = call_packs(profile, call.index, inside)
-        storages = movable_storages(profile, call, packs)
+        storages = movable_storages(profile, call, packs, savers)
         nbytes = sum(profile.storages[sid].bytes for sid in storages)
         if nbytes < MIN_OFFLOAD_BYTES or any(profile.packs[k].unpack is None for k in packs
                                              if profile.packs[k].storage in storages):

@@ -57,9 +57,12 @@ class ArrayHost:
     def wait_out(self) -> None:
         pass
 
-    def copy_in(self, host: np.ndarray, device: torch.device) -> torch.Tensor:
+    def copy_in(self, host: np.ndarray, device: torch.device) -> tuple[torch.Tensor, None]:
         data = torch.empty(host.size, dtype=torch.uint8, device=device)
-        return data.copy_(torch.from_numpy(host))
+        return data.copy_(torch.from_numpy(host)), None
+
+    def wait_in(self, token: None) -> None:
+        pass
 
 
 @pytest.fixture
@@ -207,3 +210,23 @@ def test_an_offload_inside_a_segment_is_refused_on_load(resnet18_profile, small_
     edited = with_content_hash(replace(schedule, decisions=(segment, offload)))
     with pytest.raises(FileFormatError, match="offload at 'layer1.0' runs inside segment 'layer1'"):
         schedule_from_data(to_data(edited), source="edited.yaml")
+
+
+def test_copies_come_back_one_ahead_of_need_and_cost_only_the_waits(resnet18_profile, small_sites):
+    profile = replace(resnet18_profile, transfer=TRANSFER)
+    layer1 = next(c for c in profile.calls if c.fqn == "layer1")
+    plan = core_offload.plan_offload(profile, layer1)
+    assert list(plan.needed) == sorted(plan.needed) and plan.returns[0] <= plan.needed[0]
+    assert plan.returns[1:] == plan.needed[:-1]
+    sizes = [profile.storages[sid].bytes for sid in plan.storages]
+    hooks_ms = len(plan.packs) * profile.overheads.saved_tensor_ms
+
+    def cost(transfer: Transfer) -> float:
+        return core_offload._cost_ms(replace(profile, transfer=transfer), plan)
+
+    free = Transfer(fixed_ms=0.0, to_host_bytes_per_ms=1e15, to_device_bytes_per_ms=1e15)
+    assert cost(free) == pytest.approx(hooks_ms)
+    slow_back = replace(free, to_device_bytes_per_ms=1e3)  # 1 MB/s: backward waits for nearly every copy
+    copies_back_ms = sum(sizes) / 1e3
+    backward_ms = sum(op.time_ms for op in profile.backward)
+    assert copies_back_ms - backward_ms <= cost(slow_back) - hooks_ms <= copies_back_ms

@@ -6,21 +6,22 @@ a CPU there is no other memory to move to. An offload covers one module call. Du
 forward every storage it makes, that autograd saves only inside the call and that nothing
 after the call reads, is copied to pinned host memory on a side stream as it is saved;
 when the call returns the step waits for those copies and the device copies die with
-Python's last reference. In backward each comes back to the device when a node first
-unpacks it (a copy on the compute stream, so the step waits for it) and dies when the last
-node saving it is done.
+Python's last reference. In backward they come back one after another on the side stream,
+one ahead of need: the first when backward first unpacks anything the call saved, each next
+one when the one before it is first unpacked; each dies when the last node saving it is done.
 
 The simulator sees an offload as a rewrite of the profile, like an operator variant
 (``monet_cli/core/variants.py``): each moved storage lives until the later of Python
 dropping it and the call's end, and a new storage, its device copy in backward, lives from
-its first unpack to its last release. Its time is computed from the measured copy speed:
-the copies out that the call's own forward does not hide, plus every copy back.
+when it comes back to its last release. Its time is computed from the measured copy speed
+and the profiled op times: the copies out that the call's own forward does not hide, and the
+waits where backward needs a copy back that has not arrived.
 """
 
 from __future__ import annotations
 
 from collections import Counter, defaultdict
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from monet_cli.core.profile import ModuleCall, PackRecord, Profile, StorageRecord, Transfer, VariantRecord, VariantSite
 
@@ -75,12 +76,49 @@ def movable_storages(profile: Profile, call: ModuleCall, packs: list[int],
     return found
 
 
-def moved_packs(profile: Profile, call: int) -> tuple[int, ...]:
-    """Which of the saves ``call``'s forward makes (their ordinals, counted from 0 as the call
-    makes them) hand over a storage its offload moves: what the runtime copies out."""
-    packs = call_packs(profile, call)
-    storages = set(movable_storages(profile, profile.calls[call], packs))
-    return tuple(n for n, k in enumerate(packs) if profile.packs[k].storage in storages)
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CallOffload:
+    """How an offload of one call runs, from the profile."""
+
+    call: ModuleCall
+    packs: tuple[int, ...]
+    """The profile's packs made while the call's forward runs, in the order it makes them."""
+    storages: tuple[int, ...]
+    """The storages it moves, in the order backward first unpacks them (the order they come back)."""
+    returns: tuple[int, ...]
+    """Backward position at which each comes back: the first when backward first unpacks
+    anything the call saved, each next one when the one before it is first unpacked (a
+    prefetch one storage ahead)."""
+    needed: tuple[int, ...]
+    """Backward position at which each is first unpacked."""
+
+    def ordinals(self, profile: Profile) -> tuple[int, ...]:
+        """Ordinals (among the call's saves) of the saves that hand over a moved storage."""
+        moved = set(self.storages)
+        return tuple(n for n, k in enumerate(self.packs) if profile.packs[k].storage in moved)
+
+    def fetch_order(self, profile: Profile) -> tuple[int, ...]:
+        """Each moved storage named by the ordinal of its first save, in the order it comes back."""
+        first = {}
+        for n, k in enumerate(self.packs):
+            first.setdefault(profile.packs[k].storage, n)
+        return tuple(first[sid] for sid in self.storages)
+
+
+def plan_offload(profile: Profile, call: ModuleCall, inside: list[set[int]] | None = None,
+                 savers: dict[int, set[int]] | None = None) -> CallOffload | None:
+    """None when the call moves nothing, or something it would move is never unpacked."""
+    packs = call_packs(profile, call.index, inside)
+    storages = movable_storages(profile, call, packs, savers)
+    unpacks = {sid: [profile.packs[k].unpack for k in packs if profile.packs[k].storage == sid] for sid in storages}
+    if not storages or any(None in u for u in unpacks.values()):
+        return None
+    needed = {sid: min(u) for sid, u in unpacks.items()}  # type: ignore[type-var]
+    order = sorted(storages, key=lambda sid: (needed[sid], sid))
+    start = min(profile.packs[k].unpack for k in packs if profile.packs[k].unpack is not None)  # type: ignore[type-var]
+    returns = (start, *(needed[sid] for sid in order[:-1]))
+    return CallOffload(call=call, packs=tuple(packs), storages=tuple(order), returns=returns,
+                       needed=tuple(needed[sid] for sid in order))
 
 
 def offload_sites(profile: Profile) -> tuple[VariantRecord, ...]:
@@ -93,30 +131,48 @@ def offload_sites(profile: Profile) -> tuple[VariantRecord, ...]:
     for call in profile.calls:
         if calls_per_module[call.fqn] > 1:
             continue  # the runtime hooks a module, which would offload every one of its calls
-        packs = call_packs(profile, call.index, inside)
-        storages = movable_storages(profile, call, packs, savers)
-        nbytes = sum(profile.storages[sid].bytes for sid in storages)
-        if nbytes < MIN_OFFLOAD_BYTES or any(profile.packs[k].unpack is None for k in packs
-                                             if profile.packs[k].storage in storages):
+        plan = plan_offload(profile, call, inside, savers)
+        nbytes = 0 if plan is None else sum(profile.storages[sid].bytes for sid in plan.storages)
+        if plan is None or nbytes < MIN_OFFLOAD_BYTES:
             continue
-        sizes = [profile.storages[sid].bytes for sid in storages]
         sites.append(VariantRecord(
             impl="offload", ops=tuple(range(call.first_op, call.end_op)), modules=(call.fqn,),
-            time_ms=round(_cost_ms(profile, call, sizes, len(packs)), 4),
-            saved_bytes=0, native_saved_bytes=nbytes,
+            time_ms=round(_cost_ms(profile, plan), 4), saved_bytes=0, native_saved_bytes=nbytes,
         ))
     return tuple(sites)
 
 
-def _cost_ms(profile: Profile, call: ModuleCall, sizes: list[int], saves: int) -> float:
-    """Copies out beyond the call's own forward time (they run beside it), plus copies back
-    (the compute stream waits for each), plus the saved-tensor hooks every save of the call
-    goes through (priced as checkpoint's, measured by the profile)."""
+def _cost_ms(profile: Profile, plan: CallOffload) -> float:
+    """Copies out beyond the call's own forward time (they run beside it), the waits for
+    copies back that backward catches up with, and the saved-tensor hooks every save of the
+    call goes through (priced as checkpoint's, measured by the profile)."""
+    transfer = profile.transfer
+    assert transfer is not None
+    sizes = [profile.storages[sid].bytes for sid in plan.storages]
+    out_ms = sum(transfer_ms(transfer, n, to_host=True) for n in sizes)
+    forward_ms = sum(op.time_ms for op in profile.ops[plan.call.first_op:plan.call.end_op])
+    return max(0.0, out_ms - forward_ms) + _backward_wait_ms(profile, plan, sizes) + \
+        len(plan.packs) * profile.overheads.saved_tensor_ms
+
+
+def _backward_wait_ms(profile: Profile, plan: CallOffload, sizes: list[int]) -> float:
+    """Copies back run one after another on the side stream, each started when it is
+    prefetched; backward waits where it needs one that has not arrived."""
     assert profile.transfer is not None
-    out_ms = sum(transfer_ms(profile.transfer, n, to_host=True) for n in sizes)
-    forward_ms = sum(op.time_ms for op in profile.ops[call.first_op:call.end_op])
-    back_ms = sum(transfer_ms(profile.transfer, n, to_host=False) for n in sizes)
-    return max(0.0, out_ms - forward_ms) + back_ms + saves * profile.overheads.saved_tensor_ms
+    first = len(profile.ops)
+    clock = [0.0]
+    for op in profile.backward:
+        clock.append(clock[-1] + op.time_ms)  # clock[p - first]: backward time before position p
+
+    def at(pos: int) -> float:
+        return clock[min(max(pos - first, 0), len(clock) - 1)]
+
+    waited = side_free = 0.0
+    for nbytes, issued, needed in zip(sizes, plan.returns, plan.needed):
+        done = max(at(issued) + waited, side_free) + transfer_ms(profile.transfer, nbytes, to_host=False)
+        side_free = done
+        waited += max(0.0, done - (at(needed) + waited))
+    return waited
 
 
 def with_offload_sites(profile: Profile) -> Profile:
@@ -130,24 +186,25 @@ def site_call(profile: Profile, site: VariantSite) -> ModuleCall:
     return next(c for c in profile.calls if c.fqn == site.module and c.first_op == site.op)
 
 
-def offload_storages(profile: Profile, site: VariantSite) -> list[int]:
-    call = site_call(profile, site)
-    return movable_storages(profile, call, call_packs(profile, call.index))
+def site_plan(profile: Profile, site: VariantSite) -> CallOffload:
+    plan = plan_offload(profile, site_call(profile, site))
+    assert plan is not None, "an offload site moves something"
+    return plan
 
 
 def apply_offload(profile: Profile, site: VariantSite, packs: list[PackRecord | None],
                   storages: list[StorageRecord]) -> None:
     """Rewrite ``packs`` and ``storages`` (lists of ``profile``'s, changed in place) as if
     ``site``'s offload ran."""
-    call = site_call(profile, site)
-    for sid in offload_storages(profile, site):
+    plan = site_plan(profile, site)
+    for sid, back_at in zip(plan.storages, plan.returns):
         moved = [k for k, p in enumerate(packs) if p is not None and p.storage == sid]
-        unpacks = [packs[k].unpack for k in moved]  # type: ignore[union-attr]
         releases = [packs[k].release for k in moved]  # type: ignore[union-attr]
         back = StorageRecord(id=len(storages), bytes=storages[sid].bytes, kind="activation", producer=None,
-                             alloc=min(unpacks), free=None if None in releases else max(releases))  # type: ignore
+                             alloc=back_at, free=None if None in releases else max(releases))  # type: ignore
         storages.append(back)
         for k in moved:
             packs[k] = replace(packs[k], storage=back.id)  # type: ignore[type-var]
         original = storages[sid]
-        storages[sid] = replace(original, free=max(original.free_no_autograd, call.end_op))  # type: ignore[type-var]
+        end = plan.call.end_op
+        storages[sid] = replace(original, free=max(original.free_no_autograd, end))  # type: ignore[type-var]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import datetime as _dt
 from collections.abc import Callable
 
-from monet_cli.core.offload import call_packs, moved_packs, site_call, with_offload_sites
+from monet_cli.core.offload import site_plan, with_offload_sites
 from monet_cli.core.profile import Profile, VariantRecord
 from monet_cli.core.schedule import (
     EXECUTOR,
@@ -54,9 +54,10 @@ def decisions_of(model: SegmentModel, plan: Plan, variants: Variants = frozenset
 
 
 def _offload_decision(profile: Profile, record: VariantRecord) -> OffloadDecision:
-    call = site_call(profile, record)
+    plan = site_plan(profile, record)
+    call = plan.call
     return OffloadDecision(module=call.fqn, call=call.index, first_op=call.first_op, end_op=call.end_op,
-                           packs=moved_packs(profile, call.index), saves=len(call_packs(profile, call.index)),
+                           packs=plan.ordinals(profile), fetch_order=plan.fetch_order(profile), saves=len(plan.packs),
                            bytes=record.native_saved_bytes, time_ms=record.time_ms)
 
 

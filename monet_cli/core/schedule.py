@@ -96,6 +96,9 @@ class OffloadDecision:
     end_op: int
     packs: tuple[int, ...]
     """Ordinals, among the saves the call's forward makes, of those copied to host memory."""
+    fetch_order: tuple[int, ...]
+    """The moved storages, each named by the ordinal of its first save, in the order backward
+    first needs them: the order they are fetched back, one ahead of need."""
     saves: int
     """How many saves the call's forward makes in all (checked when it runs)."""
     bytes: int

@@ -27,7 +27,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
-from monet_cli.core.offload import apply_offload, offload_storages
+from monet_cli.core.offload import apply_offload, site_plan
 from monet_cli.core.profile import PackRecord, Profile, StorageRecord, VariantRecord, VariantSite
 
 BATCH_NORM_OPS = frozenset({
@@ -176,7 +176,7 @@ def changed_storages(profile: Profile, site: VariantSite, owner: list[int | None
     """The profile's storages whose lifetime the variant at ``site`` can change (``owner``:
     ``innermost_calls(profile)``, computed once by the caller)."""
     if site.impl == "offload":
-        return tuple(offload_storages(profile, site))
+        return site_plan(profile, site).storages
     if site.impl == "bn_output":
         bn, act = site.ops[:2]
         return tuple(_largest_output(profile, k) for k in (profile.ops[bn].inputs[0], bn, act))  # type: ignore[misc]

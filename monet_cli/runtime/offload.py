@@ -5,10 +5,12 @@ While an offloaded call's forward runs, saved-tensor hooks count the saves it ma
 save the schedule lists hands over its whole storage (once per storage, however many views
 of it are saved): the storage is copied to pinned host memory on a side stream, and the
 saved tensor becomes a handle. When the call returns, the compute stream waits for the
-copies; the device storage then dies with Python's last reference. In backward the first
-unpack of a handle copies the storage back to the device on the compute stream, and the
-handle drops its device copy once every save of that storage has been unpacked (the nodes'
-own references then end with the nodes).
+copies; the device storage then dies with Python's last reference. In backward the copies
+come back on the side stream in the order the schedule expects backward to need them, one
+ahead: the first when backward first unpacks any save of the call, each next one when the
+one before it is first unpacked; an unpack waits for its own copy. A copy back is dropped
+once every save of its storage has been unpacked (the nodes' own references then end with
+the nodes).
 
 The copies go through a ``HostStore``: ``PinnedHost`` on CUDA. A CPU has no other memory
 to move to, so there is none there (tests bring their own store).
@@ -35,19 +37,23 @@ class HostStore(Protocol):
     def wait_out(self) -> None:
         """Make the compute stream wait for every copy out started so far."""
 
-    def copy_in(self, host: Any, device: torch.device) -> torch.Tensor:
-        """A device byte tensor holding ``host``, ready for the compute stream."""
+    def copy_in(self, host: Any, device: torch.device) -> tuple[torch.Tensor, Any]:
+        """Start copying ``host`` back: a device byte tensor, and what ``wait_in`` waits for."""
+
+    def wait_in(self, token: Any) -> None:
+        """Make the compute stream wait for that copy back."""
 
 
 class PinnedHost:
-    """Pinned host buffers, copies out on a side stream, copies back on the compute stream."""
+    """Pinned host buffers; copies both ways on a side stream, ordered after the compute
+    stream's work queued before them (which may still read the memory a copy writes)."""
 
     def __init__(self, device: torch.device) -> None:
         self.stream = torch.cuda.Stream(device)
 
     def copy_out(self, data: torch.Tensor) -> torch.Tensor:
         host = torch.empty(data.numel(), dtype=torch.uint8, pin_memory=True)
-        self.stream.wait_stream(torch.cuda.current_stream(data.device))  # the data is made on the compute stream
+        self.stream.wait_stream(torch.cuda.current_stream(data.device))
         with torch.cuda.stream(self.stream):
             host.copy_(data, non_blocking=True)
         return host
@@ -55,10 +61,17 @@ class PinnedHost:
     def wait_out(self) -> None:
         torch.cuda.current_stream(self.stream.device).wait_stream(self.stream)
 
-    def copy_in(self, host: torch.Tensor, device: torch.device) -> torch.Tensor:
-        data = torch.empty(host.numel(), dtype=torch.uint8, device=device)
-        data.copy_(host, non_blocking=True)
-        return data
+    def copy_in(self, host: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.cuda.Event]:
+        data = torch.empty(host.numel(), dtype=torch.uint8, device=device)  # allocated for the compute stream
+        self.stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(self.stream):
+            data.copy_(host, non_blocking=True)
+            arrived = torch.cuda.Event()
+            arrived.record()
+        return data, arrived
+
+    def wait_in(self, token: torch.cuda.Event) -> None:
+        torch.cuda.current_stream(self.stream.device).wait_event(token)
 
 
 def storage_bytes(tensor: torch.Tensor) -> torch.Tensor:
@@ -76,26 +89,58 @@ class _Copy:
         self.where = data.device
         self.device: torch.Tensor | None = data
         """The forward's storage until the call returns, then the copy back while backward uses it."""
+        self.arrived: Any = None
         self.host = store.copy_out(data)
         self.saves = 0
         self.unpacked = 0
 
+    def fetch(self) -> None:
+        if self.device is None:
+            self.device, self.arrived = self.store.copy_in(self.host, self.where)
+
     def unpack(self, saved: _Saved) -> torch.Tensor:
+        self.fetch()
+        self.store.wait_in(self.arrived)
+        data = self.device
+        assert data is not None
+        self.unpacked += 1
+        if self.unpacked % self.saves == 0:  # every save of it has been unpacked (again, under retain_graph)
+            self.device = None
+        out = torch.empty(0, dtype=saved.dtype, device=data.device)
+        return out.set_(data.untyped_storage(), saved.offset, saved.size, saved.stride)
+
+
+class _Return:
+    """The copies one forward of an offloaded call made, in the order backward needs them:
+    the first is fetched when backward first unpacks anything the call saved, each next one
+    when the one before it is first unpacked."""
+
+    def __init__(self, marker: MachineryMarker) -> None:
+        self.marker = marker
+        self.order: list[_Copy] = []
+        self.started = False
+
+    def unpack(self, copy: _Copy | None, saved: Any) -> torch.Tensor:
         with self.marker:
-            if self.device is None:
-                self.device = self.store.copy_in(self.host, self.where)
-            data = self.device
-            self.unpacked += 1
-            if self.unpacked % self.saves == 0:  # every save of it has been unpacked (again, under retain_graph)
-                self.device = None
-            out = torch.empty(0, dtype=saved.dtype, device=data.device)
-            return out.set_(data.untyped_storage(), saved.offset, saved.size, saved.stride)
+            if not self.started:
+                self.started = True
+                self._fetch(0)
+            if copy is None:
+                return saved
+            out = copy.unpack(saved)
+            self._fetch(self.order.index(copy) + 1)
+            return out
+
+    def _fetch(self, k: int) -> None:
+        if k < len(self.order):
+            self.order[k].fetch()
 
 
 @dataclass(frozen=True, slots=True)
 class _Saved:
     """What autograd keeps of an offloaded save: the copy and the view of it that was saved."""
 
+    back: _Return
     copy: _Copy
     dtype: torch.dtype
     offset: int
@@ -103,8 +148,20 @@ class _Saved:
     stride: tuple[int, ...]
 
 
+@dataclass(frozen=True, slots=True)
+class _Kept:
+    """A save of the call left on the device: its first unpack starts the way back."""
+
+    back: _Return
+    tensor: torch.Tensor
+
+
 def _unpack(saved: Any) -> torch.Tensor:
-    return saved.copy.unpack(saved) if isinstance(saved, _Saved) else saved
+    if isinstance(saved, _Saved):
+        return saved.back.unpack(saved.copy, saved)
+    if isinstance(saved, _Kept):
+        return saved.back.unpack(None, saved.tensor)
+    return saved
 
 
 class _Offload:
@@ -120,6 +177,8 @@ class _Offload:
         self.hooks: Any = None
         self.saves = 0
         self.copies: dict[tuple[torch.device, int], _Copy] = {}
+        self.first_save: dict[int, _Copy] = {}
+        self.back = _Return(marker)
 
     def install(self) -> None:
         self.module.register_forward_pre_hook(self._start)
@@ -128,14 +187,14 @@ class _Offload:
     def _start(self, module: nn.Module, args: Any) -> None:
         if not torch.is_grad_enabled():
             return
-        self.saves, self.copies = 0, {}
+        self.saves, self.copies, self.first_save, self.back = 0, {}, {}, _Return(self.marker)
         self.hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
         self.hooks.__enter__()
 
     def _pack(self, tensor: torch.Tensor) -> Any:
         ordinal, self.saves = self.saves, self.saves + 1
         if ordinal not in self.moved:
-            return tensor
+            return _Kept(self.back, tensor)
         if tensor.layout != torch.strided:
             raise FingerprintError(f"offload of '{self.decision.module}': save {ordinal} is a {tensor.layout} tensor, "
                                    "which the profile did not see")
@@ -146,9 +205,9 @@ class _Offload:
                 self.saves = -1  # until the store exists: a device without one ends the forward here
                 store = self.store(tensor.device)
                 self.saves = ordinal + 1
-                copy = self.copies[key] = _Copy(store, storage_bytes(tensor), self.marker)
+                copy = self.copies[key] = self.first_save[ordinal] = _Copy(store, storage_bytes(tensor), self.marker)
         copy.saves += 1
-        return _Saved(copy, tensor.dtype, tensor.storage_offset(), tensor.size(), tensor.stride())
+        return _Saved(self.back, copy, tensor.dtype, tensor.storage_offset(), tensor.size(), tensor.stride())
 
     def _finish(self, module: nn.Module, args: Any, output: Any) -> None:
         if self.hooks is None:
@@ -160,7 +219,7 @@ class _Offload:
                 store.wait_out()
         for copy in self.copies.values():
             copy.device = None  # the forward's reference: the storage dies with Python's last one
-        self.copies = {}
+        self.back.order = [self.first_save[n] for n in self.decision.fetch_order if n in self.first_save]
         if self.saves not in (-1, self.decision.saves):
             raise FingerprintError(f"offload of '{self.decision.module}': its forward saved {self.saves} tensors for "
                                    f"backward, the schedule expects {self.decision.saves} (a changed model?)")

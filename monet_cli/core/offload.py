@@ -110,7 +110,11 @@ def plan_offload(profile: Profile, call: ModuleCall, inside: list[set[int]] | No
     """None when the call moves nothing, or something it would move is never unpacked."""
     packs = call_packs(profile, call.index, inside)
     storages = movable_storages(profile, call, packs, savers)
-    unpacks = {sid: [profile.packs[k].unpack for k in packs if profile.packs[k].storage == sid] for sid in storages}
+    moved = set(storages)
+    unpacks: dict[int, list[int | None]] = defaultdict(list)
+    for k in packs:
+        if profile.packs[k].storage in moved:
+            unpacks[profile.packs[k].storage].append(profile.packs[k].unpack)
     if not storages or any(None in u for u in unpacks.values()):
         return None
     needed = {sid: min(u) for sid, u in unpacks.items()}  # type: ignore[type-var]
@@ -197,8 +201,12 @@ def apply_offload(profile: Profile, site: VariantSite, packs: list[PackRecord | 
     """Rewrite ``packs`` and ``storages`` (lists of ``profile``'s, changed in place) as if
     ``site``'s offload ran."""
     plan = site_plan(profile, site)
+    saving: dict[int, list[int]] = defaultdict(list)
+    for k, pack in enumerate(packs):
+        if pack is not None:
+            saving[pack.storage].append(k)
     for sid, back_at in zip(plan.storages, plan.returns):
-        moved = [k for k, p in enumerate(packs) if p is not None and p.storage == sid]
+        moved = saving[sid]
         releases = [packs[k].release for k in moved]  # type: ignore[union-attr]
         back = StorageRecord(id=len(storages), bytes=storages[sid].bytes, kind="activation", producer=None,
                              alloc=back_at, free=None if None in releases else max(releases))  # type: ignore

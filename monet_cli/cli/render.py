@@ -152,7 +152,8 @@ def _offloads_line(schedule: Schedule) -> str:
     if not schedule.offloads:
         return "none"
     moved = format_bytes(sum(o.bytes for o in schedule.offloads))
-    return f"{len(schedule.offloads)} calls' saved tensors in host memory ({moved})"
+    calls = f"{len(schedule.offloads)} call" + ("s" if len(schedule.offloads) > 1 else "")
+    return f"{calls} keeping saved tensors in host memory ({moved})"
 
 
 def print_pairs(title: str, data: dict[str, Any]) -> None:
@@ -209,8 +210,8 @@ def inspect_tables(report: dict[str, Any]) -> None:
         console.print(table)
     offloads = report.get("offloads") or report.get("offload_sites")
     if offloads:
-        title = "offloads" + ("" if report["kind"] == "monet.schedule" else ": calls the solver may offload")
-        table = Table(title=f"{title} (saved tensors in host memory until backward)", title_justify="left")
+        title = "offloads" if report["kind"] == "monet.schedule" else "calls the solver may offload"
+        table = Table(title=title, title_justify="left")
         for column in ("module", "moves", "time"):
             table.add_column(column)
         for o in offloads:

@@ -176,6 +176,7 @@ class _Offload:
         self.store = store
         self.hooks: Any = None
         self.saves = 0
+        self.failed = False
         self.copies: dict[tuple[torch.device, int], _Copy] = {}
         self.first_save: dict[int, _Copy] = {}
         self.back = _Return(marker)
@@ -188,6 +189,7 @@ class _Offload:
         if not torch.is_grad_enabled():
             return
         self.saves, self.copies, self.first_save, self.back = 0, {}, {}, _Return(self.marker)
+        self.failed = False
         self.hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
         self.hooks.__enter__()
 
@@ -202,12 +204,17 @@ class _Offload:
         copy = self.copies.get(key)
         if copy is None:
             with self.marker:
-                self.saves = -1  # until the store exists: a device without one ends the forward here
-                store = self.store(tensor.device)
-                self.saves = ordinal + 1
-                copy = self.copies[key] = self.first_save[ordinal] = _Copy(store, storage_bytes(tensor), self.marker)
+                copy = self.copies[key] = self.first_save[ordinal] = _Copy(self._store(tensor), storage_bytes(tensor),
+                                                                           self.marker)
         copy.saves += 1
         return _Saved(self.back, copy, tensor.dtype, tensor.storage_offset(), tensor.size(), tensor.stride())
+
+    def _store(self, tensor: torch.Tensor) -> HostStore:
+        try:
+            return self.store(tensor.device)
+        except DeviceError:
+            self.failed = True  # the forward ends here: its save count means nothing
+            raise
 
     def _finish(self, module: nn.Module, args: Any, output: Any) -> None:
         if self.hooks is None:
@@ -220,7 +227,7 @@ class _Offload:
         for copy in self.copies.values():
             copy.device = None  # the forward's reference: the storage dies with Python's last one
         self.back.order = [self.first_save[n] for n in self.decision.fetch_order if n in self.first_save]
-        if self.saves not in (-1, self.decision.saves):
+        if not self.failed and self.saves != self.decision.saves:
             raise FingerprintError(f"offload of '{self.decision.module}': its forward saved {self.saves} tensors for "
                                    f"backward, the schedule expects {self.decision.saves} (a changed model?)")
 

@@ -35,6 +35,12 @@ def grads_after_step(schedule_path: Path | None, spec, rank: int) -> dict[str, t
 
 def main() -> None:
     schedule_path, out = Path(sys.argv[1]), Path(sys.argv[2])
+    if os.environ.get("MONET_TEST_HOST_ARRAYS"):  # a schedule with offloads, run on this CPU
+        from host_arrays import ArrayHost
+
+        from monet_cli.runtime import offload
+
+        offload.pinned_host_store = lambda: lambda device: ArrayHost()
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     spec = load_schedule(schedule_path).model

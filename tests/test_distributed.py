@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -35,8 +36,8 @@ def _finest_schedule(spec, path: Path) -> None:
                                  solver=INFO, profile_sha256="", model=model), path)
 
 
-def _torchrun(worker: str, schedule: Path, out: Path) -> list[dict]:
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+def _torchrun(worker: str, schedule: Path, out: Path, **extra_env: str) -> list[dict]:
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", **extra_env)
     result = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
          str(ROOT / "tests" / worker), str(schedule), str(out)],
@@ -63,6 +64,27 @@ def test_ddp_runs_a_chain_segment(tmp_path: Path):
     save_schedule(build_schedule(profile, plan, budget_bytes=2 * profile.baseline.peak_bytes, budget_spec="200%",
                                  solver=INFO, profile_sha256="", model=model), tmp_path / "chain.yaml")
     reports = _torchrun("ddp_worker.py", tmp_path / "chain.yaml", tmp_path)
+    assert all(r["equal"] for r in reports), reports
+
+
+def test_ddp_runs_an_offload_beside_a_segment(tmp_path: Path, monkeypatch):
+    """layer1's saved tensors offloaded (numpy arrays standing in for pinned memory) beside
+    layer3 checkpointed, under DDP: gradients equal the unscheduled run's."""
+    import monet_cli.core.offload as core_offload
+    from monet_cli.core.profile import Transfer
+
+    monkeypatch.setattr(core_offload, "MIN_OFFLOAD_BYTES", 1)  # resnet18 at 32 px moves well under 1 MiB
+    profile = profile_model(small_spec("resnet18", shape=(3, 32, 32), batch_size=2), torch.device("cpu"), steps=1)
+    profile = replace(profile, transfer=Transfer(fixed_ms=0.01, to_host_bytes_per_ms=25e6, to_device_bytes_per_ms=25e6))
+    model = SegmentModel(profile)
+    layer3 = next(c for c, seg in model.segments.items() if seg.fqn == "layer3")
+    layer1 = next(i for i, v in enumerate(model.profile.variants) if v.impl == "offload" and v.module == "layer1")
+    schedule = build_schedule(profile, {layer3: frozenset()}, budget_bytes=2 * profile.baseline.peak_bytes,
+                              budget_spec="200%", solver=INFO, profile_sha256="", model=model,
+                              variants=frozenset({layer1}))
+    assert [o.module for o in schedule.offloads] == ["layer1"]
+    save_schedule(schedule, tmp_path / "offload.yaml")
+    reports = _torchrun("ddp_worker.py", tmp_path / "offload.yaml", tmp_path, MONET_TEST_HOST_ARRAYS="1")
     assert all(r["equal"] for r in reports), reports
 
 

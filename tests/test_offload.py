@@ -1,7 +1,6 @@
 """Offload: which calls a CUDA profile offers, the solver's rows for them, and the runtime's
-hooks, run on this CPU through a host store of numpy arrays (memory the meter does not see,
-as device memory does not see pinned host memory). Streams and copy times need a GPU:
-``tests/test_gpu.py``."""
+hooks, run on this CPU through a host store of numpy arrays (``host_arrays.py``). Streams and
+copy times need a GPU: ``tests/test_gpu.py``; under DDP: ``tests/test_distributed.py``."""
 
 from __future__ import annotations
 
@@ -11,6 +10,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 import torch
+from host_arrays import ArrayHost
 from typer.testing import CliRunner
 
 import monet_cli.core.offload as core_offload
@@ -42,27 +42,6 @@ INFO = SolverInfo(method="test", status="n/a", objective=None, bound=None, gap=N
                   seed=0, time_limit_s=0.0, ortools="")
 # About PCIe 4 with pinned memory: 25 GB/s each way, 10 us per copy.
 TRANSFER = Transfer(fixed_ms=0.01, to_host_bytes_per_ms=25e6, to_device_bytes_per_ms=25e6)
-
-
-class ArrayHost:
-    """Copies to numpy arrays: out of the meter's sight, like pinned memory out of the device's."""
-
-    def __init__(self) -> None:
-        self.copied_out = 0
-
-    def copy_out(self, data: torch.Tensor) -> np.ndarray:
-        self.copied_out += data.numel()
-        return data.numpy().copy()
-
-    def wait_out(self) -> None:
-        pass
-
-    def copy_in(self, host: np.ndarray, device: torch.device) -> tuple[torch.Tensor, None]:
-        data = torch.empty(host.size, dtype=torch.uint8, device=device)
-        return data.copy_(torch.from_numpy(host)), None
-
-    def wait_in(self, token: None) -> None:
-        pass
 
 
 @pytest.fixture

@@ -148,7 +148,7 @@ def solve(
     variants: Annotated[
         bool,
         typer.Option(help="Let the solver choose operator variants (output-keeping BatchNorm; gradients within a "
-                          "stated tolerance). --no-variants: checkpointing only, bit-exact gradients."),
+                          "stated tolerance). --no-variants: none, bit-exact gradients (offloads stay: see --offload)."),
     ] = True,
     offload: Annotated[
         bool,

@@ -141,6 +141,12 @@ def render(summary: dict) -> str:
                 f"{w['simulated_baseline_bytes'] / 2**20:.2f} MiB | {w['floor_bytes'] / 2**20:.2f} MiB | "
                 f"{w['op_ms_sum']:.1f} / {w['baseline_step_ms']:.1f} ms | {w['workspace_ops']} |"
             )
+    speeds = [w["transfer"] for w in summary["workloads"] if w.get("transfer")]
+    if speeds:  # a property of the machine: every profile measures it, the first one says it
+        t = speeds[0]
+        lines += ["", f"Host-device copies (pinned memory, measured by `monet profile`): "
+                      f"{t['to_host_bytes_per_ms'] / 1e6:.1f} GB/s to the host, "
+                      f"{t['to_device_bytes_per_ms'] / 1e6:.1f} GB/s to the device, {1000 * t['fixed_ms']:.0f} us per copy."]
     tests = summary.get("gpu_tests")
     lines += ["", f"pytest -m gpu: {tests['summary'] if tests else 'not run'}", ""]
     return "\n".join(lines)

@@ -38,9 +38,13 @@ def test_gpu_check_runs_a_workload_and_renders_it_on_the_cpu_too():
     assert all(r["within_budget"] and r["grads_ok"] and abs(r["error"]) <= 1e-4 for r in row["runs"]), [
         (r["predicted_peak_bytes"], r["measured_peak_bytes"], r["grads_ok"]) for r in row["runs"]]
     assert row["simulated_baseline_bytes"] == row["baseline_peak_bytes"]
+    assert row["transfer"] is None  # no host memory apart from the CPU's own
+    measured = {"fixed_ms": 0.01, "to_host_bytes_per_ms": 2.5e7, "to_device_bytes_per_ms": 2.6e7}  # as on a GPU
     page = render({"date": "d", "device": "cpu", "torch": torch.__version__, "cuda": None, "python": "3",
-                   "workloads": [row, {"workload": "llama", "error": "RuntimeError: x"}], "gpu_tests": None})
+                   "workloads": [{**row, "transfer": measured}, {"workload": "llama", "error": "RuntimeError: x"}],
+                   "gpu_tests": None})
     assert "| gpt (32, batch 16) | " in page and "bit-exact" in page and "| llama | failed: RuntimeError: x |" in page
+    assert "25.0 GB/s to the host, 26.0 GB/s to the device, 10 us per copy" in page
 
 
 @pytest.mark.gpu

@@ -70,6 +70,8 @@ def profile_model(
     run_checked(lambda: lifetimes.record_forward(workload), "lifetime pass")
     progress("measuring checkpoint overheads")
     overheads = measure_overheads(device)
+    if device.type == "cuda":
+        progress("measuring host-device copies")
     transfer = measure_transfer(device)
     timings = Timings()
     for i in range(steps):

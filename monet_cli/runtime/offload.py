@@ -83,9 +83,8 @@ def storage_bytes(tensor: torch.Tensor) -> torch.Tensor:
 class _Copy:
     """One offloaded storage: its host copy, and its device copy while one is alive."""
 
-    def __init__(self, store: HostStore, data: torch.Tensor, marker: MachineryMarker) -> None:
+    def __init__(self, store: HostStore, data: torch.Tensor) -> None:
         self.store = store
-        self.marker = marker
         self.where = data.device
         self.device: torch.Tensor | None = data
         """The forward's storage until the call returns, then the copy back while backward uses it."""
@@ -204,8 +203,7 @@ class _Offload:
         copy = self.copies.get(key)
         if copy is None:
             with self.marker:
-                copy = self.copies[key] = self.first_save[ordinal] = _Copy(self._store(tensor), storage_bytes(tensor),
-                                                                           self.marker)
+                copy = self.copies[key] = self.first_save[ordinal] = _Copy(self._store(tensor), storage_bytes(tensor))
         copy.saves += 1
         return _Saved(self.back, copy, tensor.dtype, tensor.storage_offset(), tensor.size(), tensor.stride())
 

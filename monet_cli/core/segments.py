@@ -23,6 +23,7 @@ from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
+from itertools import combinations
 
 from monet_cli.core.offload import with_offload_sites
 from monet_cli.core.profile import ModuleCall, Profile
@@ -189,16 +190,11 @@ class SegmentModel:
     @cached_property
     def variant_clashes(self) -> frozenset[tuple[int, int]]:
         """Pairs of variants that cannot run together: they change the same storages or ops
-        (an offload changes every op of its call)."""
-        sites = self.profile.variants
-        spans = [(site.ops[0], site.ops[-1] + 1) if site.impl == "offload" else None for site in sites]
-        clashes = []
-        for a in range(len(sites)):
-            for b in range(a + 1, len(sites)):
-                if set(self.variant_storages[a]).intersection(self.variant_storages[b]) \
-                        or _ops_meet(sites[a].ops, spans[a], sites[b].ops, spans[b]):
-                    clashes.append((a, b))
-        return frozenset(clashes)
+        (an offload's ops are every op of its call)."""
+        changed = [(frozenset(self.variant_storages[i]), frozenset(site.ops))
+                   for i, site in enumerate(self.profile.variants)]
+        return frozenset((a, b) for a, b in combinations(range(len(changed)), 2)
+                         if not changed[a][0].isdisjoint(changed[b][0]) or not changed[a][1].isdisjoint(changed[b][1]))
 
     @cached_property
     def ancestors(self) -> list[tuple[int, ...]]:
@@ -392,16 +388,6 @@ class SegmentModel:
         touched.update(self.profile.packs[p].storage for p in seg.packs)
         touched.update(self.calls[call_index].inputs)
         return sorted(touched)
-
-
-def _ops_meet(ops_a: tuple[int, ...], span_a: tuple[int, int] | None, ops_b: tuple[int, ...],
-              span_b: tuple[int, int] | None) -> bool:
-    if span_a is not None and span_b is not None:
-        return span_a[0] < span_b[1] and span_b[0] < span_a[1]
-    if span_a is not None or span_b is not None:
-        (first, end), ops = (span_a, ops_b) if span_a is not None else (span_b, ops_a)  # type: ignore[misc]
-        return any(first <= op < end for op in ops)
-    return bool(set(ops_a).intersection(ops_b))
 
 
 def _with_chains(profile: Profile) -> tuple[tuple[ModuleCall, ...], dict[int, tuple[int, ...]]]:

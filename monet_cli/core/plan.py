@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import datetime as _dt
 from collections.abc import Callable
+from typing import Any
 
 from monet_cli.core.offload import site_plan, with_offload_sites
 from monet_cli.core.profile import Profile, VariantRecord
+from monet_cli.core.ranges import PARENT, OpRange
 from monet_cli.core.schedule import (
     EXECUTOR,
     SCHEDULE_KIND,
@@ -40,6 +42,7 @@ def decisions_of(model: SegmentModel, plan: Plan, variants: Variants = frozenset
             module=seg.fqn, chain=seg.members, call=call, first_op=seg.first_op, end_op=seg.end_op,
             recompute_ms=round(model.recompute_ms(call, plan[call], frames[call]), 4),
             overhead_ms=round(model.overhead_ms(call, plan[call], frames[call]), 4),
+            **(_range_fields(model.profile, seg.range) if seg.range else {}),
         ))
         decisions += [KeepDecision(segment=seg.fqn, index=i, op=ops[i].op, occurrence=model.occurrence(call, i))
                       for i in sorted(plan[call])]
@@ -51,6 +54,16 @@ def decisions_of(model: SegmentModel, plan: Plan, variants: Variants = frozenset
         rtol, atol = TOLERANCE[record.impl]
         decisions.append(VariantDecision(**record.site(), time_ms=record.time_ms, rtol=rtol, atol=atol))
     return tuple(decisions)
+
+
+def _range_fields(profile: Profile, r: OpRange) -> dict[str, Any]:
+    """What the runtime needs to find an op range: its module, its calls and where it opens and closes."""
+    calls = [profile.calls[c] for c in r.calls]
+    first = calls[0]
+    skip = sum(1 for c in profile.calls if c.parent == r.parent and c.fqn == first.fqn and c.first_op < first.first_op)
+    return {"within": profile.calls[r.parent].fqn, "calls": tuple(c.fqn for c in calls),
+            "opens_at_call": r.open_at != PARENT, "closes_at_call": r.close_at != PARENT,
+            "skip": skip if r.open_at != PARENT else 0, "own_ops": r.own_ops}
 
 
 def _offload_decision(profile: Profile, record: VariantRecord) -> OffloadDecision:

@@ -54,10 +54,24 @@ class SegmentDecision:
     """Measured checkpoint machinery time (per call, plus per op when it keeps ops)."""
     chain: tuple[str, ...] = ()
     """A chain's module paths, in call order: sibling calls run under one checkpoint."""
+    within: str | None = None
+    """Set for an op range: the module whose forward it is a stretch of ('' is the model)."""
+    calls: tuple[str, ...] = ()
+    """An op range's calls (module paths, in order) that its module makes inside it."""
+    opens_at_call: bool = False
+    """An op range opens at the start of its first call (else at the start of the module's forward)."""
+    closes_at_call: bool = False
+    """An op range closes at the end of its last call (else at the end of the module's forward)."""
+    skip: int = 0
+    """How many times the module called the first call's module before the range opens."""
+    own_ops: int = 0
+    """The module's own ops inside an op range (checked at run time)."""
 
     @property
     def members(self) -> tuple[str, ...]:
-        """The module paths whose forwards the segment wraps."""
+        """The module paths the segment hooks."""
+        if self.within is not None:
+            return (self.within, *self.calls)
         return self.chain or (self.module,)
 
 
@@ -169,6 +183,11 @@ class Schedule(_Header):
         return tuple(s for s in self.segments if s.chain)
 
     @property
+    def ranges(self) -> tuple[SegmentDecision, ...]:
+        """The segments that are op ranges."""
+        return tuple(s for s in self.segments if s.within is not None)
+
+    @property
     def keeps(self) -> tuple[KeepDecision, ...]:
         return tuple(d for d in self.decisions if isinstance(d, KeepDecision))
 
@@ -207,11 +226,17 @@ class Schedule(_Header):
                 if outer is not inner and outer.first_op <= inner.first_op and inner.end_op <= outer.end_op}
 
 
+OMITTED_WHEN_DEFAULT = frozenset({
+    "SegmentDecision.within", "SegmentDecision.calls", "SegmentDecision.opens_at_call",
+    "SegmentDecision.closes_at_call", "SegmentDecision.skip", "SegmentDecision.own_ops",
+})
+"""An op range's fields: the lines of other segments leave them out of the file."""
+
 # Optional keys added after the hash's payload was fixed: they enter it only when set, so
 # schedules written before them keep their hash.
 HASHED_WHEN_SET = frozenset({
     "InputSpec.name", "ModelSpec.precision", "Fingerprint.precision", "Fingerprint.modules", "SegmentDecision.chain",
-})
+}) | OMITTED_WHEN_DEFAULT
 
 
 def content_hash(schedule: Schedule | _V1Schedule) -> str:
@@ -298,7 +323,7 @@ def _variant_problem(schedule: Schedule) -> str:
 
 
 def save_schedule(schedule: Schedule, path: Path) -> None:
-    atomic_write_text(Path(path), dump_yaml(to_data(schedule)))
+    atomic_write_text(Path(path), dump_yaml(to_data(schedule, omit_defaults=OMITTED_WHEN_DEFAULT)))
 
 
 def schedule_from_data(data: dict[str, Any], *, source: str) -> Schedule:

@@ -11,6 +11,9 @@ modules the parent calls one after another, each passing its one tensor to the n
 a ResNet's stem (conv1, bn1, relu, maxpool). The chain runs under one checkpoint, so its
 frame saves only the first call's arguments, where each call alone would save its own.
 
+A segment may also be an op range (``core/ranges.py``): a stretch of one module's forward
+from one of its calls (or its start) to a later one (or its end), its own code included.
+
 A segment may hold one nested segment (recursive checkpointing, two levels): the outer
 frame then saves the inner call's arguments instead of what the inner call saves, so its
 recompute stops at the inner call's start when nothing later is saved, and the inner
@@ -27,6 +30,7 @@ from itertools import combinations
 
 from monet_cli.core.offload import with_offload_sites
 from monet_cli.core.profile import ModuleCall, Profile
+from monet_cli.core.ranges import OpRange, op_ranges, packs_inside
 from monet_cli.core.variants import changed_storages, innermost_calls, with_variants
 
 # Ops selective checkpointing never caches (torch.utils.checkpoint.SAC_IGNORED_OPS),
@@ -46,6 +50,9 @@ MAX_NESTED_CHILDREN = 8
 
 CHAIN = "chain"
 """The ``type`` of a chain's call record (``SegmentModel.calls``)."""
+
+RANGE = "range"
+"""The ``type`` of an op range's call record."""
 
 
 def sibling_chains(profile: Profile) -> list[tuple[ModuleCall, ...]]:
@@ -116,7 +123,10 @@ class SegmentInfo:
     frame_end: int
     """Position by which autograd released every tensor saved inside the call."""
     candidates: tuple[int, ...]
-    """Ops whose outputs a selective policy may keep (saved, never mutated, not in-place)."""
+    """Ops whose outputs a selective policy may keep (saved, never mutated, not in-place;
+    none in an op range, whose recompute replays ops outside checkpoint's policy)."""
+    range: OpRange | None = None
+    """Set when the segment is an op range."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -153,6 +163,8 @@ class SegmentModel:
         self.calls, self.members = _with_chains(profile)
         """The profile's calls, then one record per sibling chain (type ``CHAIN``, named
         'first..last'); ``members`` holds each chain's calls."""
+        self.calls, self.ranges = _with_ranges(profile, self.calls, self.members)
+        """Then one record per op range (type ``RANGE``, named 'parent[first:end]')."""
         self._variant_models: dict[frozenset[int], SegmentModel] = {}
 
     def with_variants(self, chosen: frozenset[int]) -> SegmentModel:
@@ -205,8 +217,21 @@ class SegmentModel:
             parent.update(dict.fromkeys(members, chain))
         chains: list[tuple[int, ...]] = [()] * len(self.calls)
         for call in sorted(self.calls, key=lambda c: (c.first_op, -c.end_op, c.index)):  # enclosing ones first
+            if call.index in self.ranges:
+                continue
             up = parent[call.index]
             chains[call.index] = (call.index,) + (chains[up] if up is not None else ())
+        # A range encloses what runs inside its calls; ranges of one parent cross each other
+        # rather than nest (``crossing_pairs``).
+        for index, r in self.ranges.items():
+            for inside in range(len(chains)):
+                enclosing = chains[inside]
+                if (inside not in self.ranges and r.parent in enclosing[1:]
+                        and r.first_op <= self.calls[inside].first_op and self.calls[inside].end_op <= r.end_op):
+                    at = enclosing.index(r.parent)
+                    chains[inside] = enclosing[:at] + (index,) + enclosing[at:]
+        for index, r in self.ranges.items():
+            chains[index] = (index,) + chains[r.parent]
         return chains
 
     @cached_property
@@ -216,8 +241,25 @@ class SegmentModel:
         for index, pack in enumerate(self.profile.packs):
             if pack.call is not None:
                 for call in self.ancestors[pack.call]:
-                    by_call[call].append(index)
+                    if call not in self.ranges:
+                        by_call[call].append(index)
+        for index, r in self.ranges.items():
+            by_call[index] = packs_inside(self.profile, r, self.ancestors)
         return by_call
+
+    @cached_property
+    def crossing_pairs(self) -> tuple[tuple[int, int], ...]:
+        """Segments whose ops overlap while neither encloses the other (two ranges of one
+        parent, a range and a chain): never chosen together."""
+        ordered = sorted(self.segments.values(), key=lambda seg: (seg.first_op, -seg.end_op))
+        pairs = []
+        for k, a in enumerate(ordered):
+            for b in ordered[k + 1:]:
+                if b.first_op >= a.end_op:
+                    break
+                if a.call not in self.ancestors[b.call] and b.call not in self.ancestors[a.call]:
+                    pairs.append((a.call, b.call))
+        return tuple(pairs)
 
     @cached_property
     def packs_by_storage(self) -> dict[int, list[int]]:
@@ -262,7 +304,8 @@ class SegmentModel:
             stop=max(self.profile.packs[i].pos for i in packs),
             burst_pos=min(unpacks) if unpacks else None,
             frame_end=max(self.release(i) for i in packs),
-            candidates=self._keep_candidates(call.first_op, call.end_op, packs),
+            candidates=() if call_index in self.ranges else self._keep_candidates(call.first_op, call.end_op, packs),
+            range=self.ranges.get(call_index),
         )
 
     def _keep_candidates(self, first: int, end: int, packs: tuple[int, ...]) -> tuple[int, ...]:
@@ -294,6 +337,7 @@ class SegmentModel:
         return tuple(
             (outer, inner) for inner, outer in sorted(nearest.items())
             if outer in bursting and children[outer] <= MAX_NESTED_CHILDREN and self._saves_what_it_makes(inner)
+            and inner not in self.ranges
         )
 
     def _saves_what_it_makes(self, call_index: int) -> bool:
@@ -404,3 +448,19 @@ def _with_chains(profile: Profile) -> tuple[tuple[ModuleCall, ...], dict[int, tu
         ))
         members[index] = tuple(call.index for call in run)
     return profile.calls + tuple(records), members
+
+
+def _with_ranges(profile: Profile, calls: tuple[ModuleCall, ...],
+                 members: dict[int, tuple[int, ...]]) -> tuple[tuple[ModuleCall, ...], dict[int, OpRange]]:
+    """``calls`` followed by a call record per op range, and each record's range."""
+    chains = [tuple(calls[m] for m in run) for run in members.values()]
+    records: list[ModuleCall] = []
+    ranges: dict[int, OpRange] = {}
+    for r in op_ranges(profile, chains):
+        index = len(calls) + len(records)
+        records.append(ModuleCall(
+            index=index, fqn=f"{profile.calls[r.parent].fqn}[{r.first_op}:{r.end_op}]", type=RANGE,
+            first_op=r.first_op, end_op=r.end_op, parent=r.parent, checkpointable=True, inputs=r.inputs,
+        ))
+        ranges[index] = r
+    return calls + tuple(records), ranges

@@ -186,6 +186,9 @@ def nesting_problem(model: SegmentModel, plan: Plan) -> str:
     """Why ``plan``'s overlapping segments cannot run as nested checkpoints ("" if they can):
     one segment may hold one other, two levels deep, both recomputed and keeping nothing."""
     pairs = set(model.nest_pairs)
+    for a, b in model.crossing_pairs:
+        if a in plan and b in plan:
+            return f"segments {model.segments[a].fqn!r} and {model.segments[b].fqn!r} overlap"
     inner_of: dict[int, int] = {}
     for call in plan:
         for outer in model.ancestors[call][1:]:

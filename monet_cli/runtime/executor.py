@@ -37,6 +37,7 @@ from monet_cli.errors import CheckpointConflictError, FingerprintError
 from monet_cli.runtime.fingerprint import FirstForwardCheck, warn_if_untested_torch
 from monet_cli.runtime.meter import MachineryMarker
 from monet_cli.runtime.offload import install_offloads
+from monet_cli.runtime.ranges import RangeSegment
 from monet_cli.runtime.variants import install_variants
 from monet_cli.workload.step import make_out_of_place, turn_off_kv_cache
 
@@ -60,12 +61,16 @@ def apply_schedule(model: nn.Module, schedule: Schedule | str | Path, *, check_f
         make_out_of_place(model)
     modules = dict(model.named_modules())
     marker = MachineryMarker()
-    # Module segments first: a chain then runs its members' forwards as they are, nested
-    # checkpoints included.
-    for segment in sorted(schedule.segments, key=lambda s: bool(s.chain)):
+    # Module segments first: a chain or an op range then runs its calls' forwards as they
+    # are, nested checkpoints included.
+    for segment in sorted(schedule.segments, key=lambda s: (s.within is not None, bool(s.chain))):
         members = [_module(modules, path) for path in segment.members]
         keep = frozenset((k.op, k.occurrence) for k in schedule.kept_in(segment.module))
-        if segment.chain:
+        if segment.within is not None:
+            RangeSegment(segment, members[0], members[1:], marker).install()
+            for member in members[1:]:
+                _guard_batchnorms(member, itself=True)
+        elif segment.chain:
             _Chain(segment.module, members, segment.chain, _context_fn(keep), marker).install()
             for member in members:
                 _guard_batchnorms(member, itself=True)

@@ -159,7 +159,7 @@ def _add_variants(cp: cp_model.CpModel, model: SegmentModel, v: Variables, offer
 
 
 def _add_overlaps(cp: cp_model.CpModel, model: SegmentModel, v: Variables) -> None:
-    """Overlapping segments are chosen together only as a nested pair."""
+    """Overlapping segments are chosen together only as a nested pair (crossing ones never)."""
     for pair in model.nest_pairs:
         v.nest[pair] = cp.new_bool_var(f"nest[{pair[0]},{pair[1]}]")
         for c in pair:
@@ -171,6 +171,8 @@ def _add_overlaps(cp: cp_model.CpModel, model: SegmentModel, v: Variables) -> No
                 cp.add(v.seg[c] + v.seg[ancestor] <= 1 + v.nest[(ancestor, c)])
             elif ancestor in v.seg:
                 cp.add_at_most_one([v.seg[c], v.seg[ancestor]])
+    for a, b in model.crossing_pairs:
+        cp.add_at_most_one([v.seg[a], v.seg[b]])
     by_outer: dict[int, list[cp_model.IntVar]] = {}
     for (outer, _), var in v.nest.items():
         by_outer.setdefault(outer, []).append(var)

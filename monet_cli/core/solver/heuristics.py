@@ -18,6 +18,8 @@ from monet_cli.core.solver.linear import LinearMemory
 def level_plans(model: SegmentModel) -> dict[str, Plan]:
     depths: dict[int, list[int]] = {}
     for c in model.segments:
+        if c in model.ranges:
+            continue  # ranges of one module cross each other: not a level of the tree
         depths.setdefault(len(model.ancestors[c]), []).append(c)
     return {f"depth-{d}": {c: frozenset() for c in calls} for d, calls in sorted(depths.items())}
 

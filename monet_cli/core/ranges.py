@@ -1,0 +1,150 @@
+"""Op ranges: segments over a stretch of one module's forward, its own code included.
+
+A module's forward is a sequence of calls to other modules with the module's own ops
+(functional code: ``out += identity``, attention arithmetic, a concatenation) between them.
+A range runs from the start of one of these calls (or of the forward) to the end of a later
+one (or of the forward), so its checkpoint frame opens and closes in module hooks, above
+autograd, where the profile can tell which saved tensors fall inside. Its recompute replays
+what the forward ran: the calls as calls (their own segments and guards run again) and the
+module's own ops as the recorded aten ops.
+
+A range either holds some of the module's own ops, or spans two or more calls that are not
+already a sibling chain (``segments.sibling_chains``). What a range reads from before it
+(external tensors) is held by its recompute until its backward is done, as checkpoint holds
+its arguments; so a range is never the inner segment of a nested pair, where an outer frame
+would be expected to drop those.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+from monet_cli.core.profile import ModuleCall, Profile
+
+MAX_RANGE_CALLS = 16
+"""Modules whose forward makes more calls than this (a stack of layers) offer no ranges: the
+ranges grow with the square of the calls."""
+
+PARENT = -1
+"""``OpRange.open_at`` / ``close_at``: the frame opens at the start, or closes at the end, of
+the module's own forward."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class OpRange:
+    parent: int
+    """The module call whose forward the range is a stretch of."""
+    first_op: int
+    end_op: int
+    calls: tuple[int, ...]
+    """The calls the parent makes inside the range, in order."""
+    open_at: int
+    """Ordinal, among the calls the parent makes, of the call at whose start the frame opens (``PARENT``: its forward's start)."""
+    close_at: int
+    """Ordinal of the call at whose end the frame closes (``PARENT``: the end of its forward)."""
+    own_ops: int
+    """The parent's own ops inside the range (the recompute replays them)."""
+    inputs: tuple[int, ...]
+    """Activation storages made before the range that it reads: held until its backward is done."""
+
+
+def op_ranges(profile: Profile, chains: list[tuple[ModuleCall, ...]]) -> list[OpRange]:
+    """Every range the solver may choose, in forward order."""
+    children: dict[int, list[ModuleCall]] = defaultdict(list)
+    for call in profile.calls:
+        if call.parent is not None:
+            children[call.parent].append(call)
+    called = defaultdict(int)
+    for call in profile.calls:
+        called[call.fqn] += 1
+    taken = {(run[0].first_op, run[-1].end_op) for run in chains}
+    single = _single_outputs(profile)
+    ranges = []
+    for parent, calls in sorted(children.items()):
+        if called[profile.calls[parent].fqn] == 1 and len(calls) <= MAX_RANGE_CALLS:
+            calls = sorted(calls, key=lambda c: c.first_op)
+            ranges += [r for r in _ranges_in(profile, profile.calls[parent], calls, single)
+                       if (r.first_op, r.end_op) not in taken]
+    return sorted(ranges, key=lambda r: (r.first_op, -r.end_op))
+
+
+def _ranges_in(profile: Profile, parent: ModuleCall, calls: list[ModuleCall], single: dict[int, int]) -> list[OpRange]:
+    if any(call.reason and not call.reason.startswith("called ") for call in calls):
+        return []  # a call whose re-run does not repeat it (or that writes its inputs) cannot be replayed
+    # Where a call starts or ends with the forward, its hook is the same boundary.
+    starts = [(k, c.first_op) for k, c in enumerate(calls)]
+    if calls[0].first_op != parent.first_op:
+        starts.insert(0, (PARENT, parent.first_op))
+    ends = [(k, c.end_op) for k, c in enumerate(calls)]
+    if calls[-1].end_op != parent.end_op:
+        ends.append((PARENT, parent.end_op))
+    inside_calls = {op for c in calls for op in range(c.first_op, c.end_op)}
+    ranges = []
+    for open_at, first in starts:
+        for close_at, end in ends:
+            if end <= first or (first, end) == (parent.first_op, parent.end_op):
+                continue
+            members = tuple(c for c in calls if first <= c.first_op and c.end_op <= end)
+            own = [op for op in range(first, end) if op not in inside_calls]
+            if not own and len(members) < 2:
+                continue
+            inputs = _external_inputs(profile, first, members, own, single)
+            if inputs is not None and not _writes_before(profile, first, end):
+                ranges.append(OpRange(parent=parent.index, first_op=first, end_op=end,
+                                      calls=tuple(c.index for c in members), open_at=open_at,
+                                      close_at=close_at, own_ops=len(own), inputs=inputs))
+    return ranges
+
+
+def _single_outputs(profile: Profile) -> dict[int, int]:
+    """Op -> its activation storage, for ops that made exactly one."""
+    made: dict[int, list[int]] = defaultdict(list)
+    for storage in profile.storages:
+        if storage.kind == "activation" and storage.producer is not None:
+            made[storage.producer].append(storage.id)
+    return {op: storages[0] for op, storages in made.items() if len(storages) == 1}
+
+
+def _external_inputs(profile: Profile, first: int, members: tuple[ModuleCall, ...], own: list[int],
+                     single: dict[int, int]) -> tuple[int, ...] | None:
+    """Activation storages made before ``first`` that the range reads, or None when one of
+    them cannot be told exactly (an own op reads from an op that made several storages) or
+    is written in place later (the replay would read the written value)."""
+    storages = profile.storages
+    reads = {s for call in members for s in call.inputs
+             if storages[s].kind == "activation" and storages[s].producer is not None and storages[s].producer < first}
+    for op in own:
+        for producer in profile.ops[op].inputs:
+            if producer < first:
+                if producer not in single:
+                    return None
+                reads.add(single[producer])
+    if any(storages[s].mutated for s in reads):
+        return None
+    return tuple(sorted(reads))
+
+
+def _writes_before(profile: Profile, first: int, end: int) -> bool:
+    """Whether an op of the range writes in place to a tensor made before it."""
+    return any(op.inplace_of is not None and op.inplace_of < first for op in profile.ops[first:end])
+
+
+def packs_inside(profile: Profile, r: OpRange, ancestors: list[tuple[int, ...]]) -> list[int]:
+    """The packs the range's frame sees: those made inside its calls, and the parent's own
+    saves between its first and last op. A parent-level save at the range's first position is
+    the op before's output unless the frame opened with the parent's forward; one at its end
+    position is the next op's input unless the frame closes with the parent's forward."""
+    parent = profile.calls[r.parent]
+    calls = set(r.calls)
+    inside = []
+    for index, pack in enumerate(profile.packs):
+        if pack.call is None:
+            continue
+        if pack.call == r.parent:
+            if (r.first_op < pack.pos < r.end_op or (pack.pos == r.first_op == parent.first_op)
+                    or (pack.pos == r.end_op == parent.end_op)):
+                inside.append(index)
+        elif calls.intersection(ancestors[pack.call]):
+            inside.append(index)
+    return inside

@@ -1,0 +1,305 @@
+"""Op-range segments (``core/ranges.py``) at run time: a checkpoint frame over a stretch of one
+module's forward, its own code included.
+
+The frame is the generator ``torch.utils.checkpoint`` drives around its function: it opens in
+the hook where the range starts (the start of one of the module's calls, or of its forward)
+and closes where it ends. Between the two, a dispatch mode writes a tape of what the forward
+ran: each call the module makes (module and arguments) and each of the module's own aten ops
+(overload and arguments). The recompute replays the tape: calls as calls, so their hooks,
+nested segments and BatchNorm guards run as in any recompute, and own ops as the same aten
+ops, so autograd saves the same tensors in the same order.
+
+The tape never holds what the range makes: arguments made inside it are positions in the
+replay's own list, and each position is dropped where the forward's Python dropped that
+tensor (the simulator's rule for a recompute's transient outputs). What the range reads from
+before it is held by the tape until its backward is done, as checkpoint holds its arguments.
+An own op that writes a tensor from before the range (a buffer) writes a copy in the replay.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import weakref
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils.checkpoint import _checkpoint_without_reentrant_generator, noop_context_fn
+from torch.utils.weak import WeakTensorKeyDictionary
+
+from monet_cli.core.schedule import SegmentDecision
+from monet_cli.errors import FingerprintError
+from monet_cli.runtime.fingerprint import IGNORED_OPS
+from monet_cli.runtime.meter import MachineryMarker
+
+
+class _Made(NamedTuple):
+    """An argument the range made: the replay's value at this position."""
+
+    position: int
+
+
+class _Before(NamedTuple):
+    """An argument from before the range: ``_Tape.before[index]``."""
+
+    index: int
+
+
+@dataclass
+class _Entry:
+    run: Callable[..., Any]
+    """The aten overload, or the module, to call again."""
+    leaves: list[Any]
+    """Its flattened (args, kwargs), tensors replaced by ``_Made`` / ``_Before``."""
+    spec: Any
+    outputs: list[int | None]
+    """Replay position of each flattened output leaf (None: not a tensor)."""
+    writes: tuple[int, ...] = ()
+    """Leaves the overload writes in place (its schema says so)."""
+    grad: bool = True
+    is_call: bool = False
+    drop: list[int] = field(default_factory=list)
+    """Positions the forward's Python dropped before this entry ran."""
+
+
+@dataclass
+class _Tape:
+    entries: list[_Entry] = field(default_factory=list)
+    before: list[torch.Tensor] = field(default_factory=list)
+    positions: int = 0
+    dropped: list[int] = field(default_factory=list)
+    """Positions the forward dropped since the last entry was recorded."""
+
+
+class _Recorder(TorchDispatchMode):
+    """Writes the module's own ops to the tape while the range runs (not the ops inside its calls)."""
+
+    def __init__(self, owner: RangeSegment) -> None:
+        super().__init__()
+        self.owner = owner
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self.owner.in_call is not None:
+            return func(*args, **kwargs)
+        entry = self.owner.entry(func, (args, kwargs), writes=_written(func), grad=torch.is_grad_enabled())
+        out = func(*args, **kwargs)
+        self.owner.made(entry, out)
+        if str(func) not in IGNORED_OPS:
+            self.owner.own_ops += 1
+        return out
+
+
+def _written(func: Any) -> tuple[int, ...]:
+    """Flattened positions of the positional arguments ``func`` writes (schema alias info)."""
+    return tuple(k for k, arg in enumerate(func._schema.arguments)
+                 if arg.alias_info is not None and arg.alias_info.is_write and not arg.kwarg_only)
+
+
+class RangeSegment:
+    """One op range of the schedule, installed on its module and the modules it calls."""
+
+    def __init__(self, decision: SegmentDecision, parent: nn.Module, calls: list[nn.Module],
+                 marker: MachineryMarker) -> None:
+        self.decision = decision
+        self.parent = parent
+        self.calls = calls
+        self.marker = marker
+        self.forward = parent.forward
+        self.frame: Any = None
+        self.tape: _Tape | None = None
+        self.mode: _Recorder | None = None
+        self.in_call: nn.Module | None = None
+        """The call the module is making while the range runs (its ops are that call's)."""
+        self.call_entry: _Entry | None = None
+        self.running = False
+        """Inside the module's forward (with grad): its calls are counted."""
+        self.seen: dict[int, int] = defaultdict(int)
+        self.replaying = 0
+        self.own_ops = 0
+        self.ids: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
+        self.watch: list[weakref.ref] = []
+
+    def install(self) -> None:
+        @functools.wraps(self.forward)
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            return self._parent_forward(*args, **kwargs)
+
+        self.parent.forward = forward
+        for module in {id(m): m for m in self.calls}.values():
+            module.register_forward_pre_hook(self._call_starts, with_kwargs=True)
+            module.register_forward_hook(self._call_ends)
+
+    # -- the module's forward -------------------------------------------------------
+    def _parent_forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.replaying or self.running or not torch.is_grad_enabled():
+            return self.forward(*args, **kwargs)
+        self.running, self.seen, self.in_call = True, defaultdict(int), None
+        try:
+            if not self.decision.opens_at_call:
+                self._open((args, kwargs))
+            output = self.forward(*args, **kwargs)
+            if self.frame is not None and not self.decision.closes_at_call:
+                self._close_checked()
+            if self.tape is None or self.frame is not None:
+                self._fail("the forward ended before the range did")
+            return output
+        finally:
+            self._abandon()
+            self.running = False
+
+    def _call_starts(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if not self.running or self.replaying or self.in_call is not None:
+            return
+        occurrence = self.seen[id(module)]
+        self.seen[id(module)] += 1
+        if self.frame is None and self.tape is None and module is self.calls[0] and occurrence == self.decision.skip:
+            self._open((args, kwargs))
+        if self.frame is not None:
+            self.in_call = module
+            self.call_entry = self.entry(module, (args, kwargs), is_call=True)
+
+    def _call_ends(self, module: nn.Module, args: tuple, output: Any) -> None:
+        if self.frame is None or self.in_call is not module or self.replaying:
+            return
+        self.in_call = None
+        self.made(self.call_entry, output)
+        if self.decision.closes_at_call and sum(e.is_call for e in self.tape.entries) == len(self.calls):
+            self._close_checked()
+
+    # -- recording --------------------------------------------------------------------
+    def entry(self, run: Any, args: Any, *, writes: tuple[int, ...] = (), grad: bool = True,
+              is_call: bool = False) -> _Entry:
+        leaves, spec = tree_flatten(args)
+        refs = [self._ref(leaf) if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
+        tape = self.tape
+        entry = _Entry(run=run, leaves=refs, spec=spec, outputs=[], writes=writes, grad=grad, is_call=is_call,
+                       drop=tape.dropped)
+        tape.dropped = []
+        tape.entries.append(entry)
+        return entry
+
+    def _ref(self, tensor: torch.Tensor) -> _Made | _Before:
+        position = self.ids.get(tensor)
+        if position is not None:
+            return _Made(position)
+        before = self.tape.before
+        index = next((k for k, held in enumerate(before) if held is tensor), None)
+        if index is None:
+            before.append(tensor)
+            index = len(before) - 1
+        return _Before(index)
+
+    def made(self, entry: _Entry, output: Any) -> None:
+        for leaf in tree_flatten(output)[0]:
+            if not isinstance(leaf, torch.Tensor):
+                entry.outputs.append(None)
+                continue
+            position = self.tape.positions
+            self.tape.positions += 1
+            self.ids[leaf] = position
+            entry.outputs.append(position)
+            self.watch.append(weakref.ref(leaf, functools.partial(_dropped, self.tape, position)))
+
+    # -- the frame -----------------------------------------------------------------------
+    def _open(self, args: Any) -> None:
+        tape = self.tape = _Tape()
+        device = next((t.device for t in tree_flatten(args)[0] if isinstance(t, torch.Tensor)), torch.device("cpu"))
+        with self.marker:
+            # A tensor on the model's device tells checkpoint whose RNG to restore; it has no bytes.
+            anchor = torch.empty(0, device=device)
+        self.frame = _checkpoint_without_reentrant_generator(
+            functools.partial(self._replay, tape), True, noop_context_fn, "default", False, True, anchor,
+        )
+        with self.marker:
+            next(self.frame)
+        self.own_ops = 0
+        self.mode = _Recorder(self)
+        self.mode.__enter__()
+
+    def _close_checked(self) -> None:
+        self._stop_recording()
+        tape = self.tape
+        calls = [e.run for e in tape.entries if e.is_call]
+        if len(calls) != len(self.calls) or any(a is not b for a, b in zip(calls, self.calls)):
+            self._fail("its calls differ from the profiled ones")
+        if self.own_ops != self.decision.own_ops:
+            self._fail(f"it ran {self.own_ops} of the module's own ops where the profile saw {self.decision.own_ops}")
+        frame, self.frame = self.frame, None
+        with self.marker:
+            try:
+                next(frame)
+            except StopIteration:
+                return
+        raise AssertionError("internal error: checkpoint's frame did not close")
+
+    def _stop_recording(self) -> None:
+        if self.mode is not None:
+            mode, self.mode = self.mode, None
+            mode.__exit__(None, None, None)
+        self.watch.clear()
+        self.ids = WeakTensorKeyDictionary()
+
+    def _abandon(self) -> None:
+        """Leave a frame a raising forward left open; forget the tape of a finished one."""
+        self._stop_recording()
+        frame, self.frame = self.frame, None
+        if frame is not None:
+            with self.marker:
+                frame.close()
+        self.tape, self.in_call = None, None
+
+    def _fail(self, what: str) -> None:
+        self._abandon()
+        raise FingerprintError(f"schedule segment '{self.decision.module}' does not match this model: {what}")
+
+    # -- the recompute ---------------------------------------------------------------------
+    def _replay(self, tape: _Tape, *_anchor: torch.Tensor) -> None:
+        values: list[Any] = [None] * tape.positions
+        self.replaying += 1
+        try:
+            with self.marker.lowered():
+                for entry in tape.entries:
+                    for position in entry.drop:
+                        values[position] = None
+                    output = self._run(entry, tape, values)
+                    for position, leaf in zip(entry.outputs, tree_flatten(output)[0]):
+                        if position is not None:
+                            values[position] = leaf
+        finally:
+            self.replaying -= 1
+
+    def _run(self, entry: _Entry, tape: _Tape, values: list[Any]) -> Any:
+        leaves = []
+        for k, leaf in enumerate(entry.leaves):
+            if isinstance(leaf, _Made):
+                leaf = values[leaf.position]
+            elif isinstance(leaf, _Before):
+                leaf = tape.before[leaf.index]
+                if k in entry.writes:
+                    with self.marker, torch.no_grad():
+                        leaf = leaf.clone()  # a buffer the forward wrote already
+            leaves.append(leaf)
+        args, kwargs = tree_unflatten(leaves, entry.spec)
+        if entry.is_call:
+            return entry.run(*args, **kwargs)
+        with torch.set_grad_enabled(entry.grad), _no_autocast():
+            return entry.run(*args, **kwargs)
+
+
+def _dropped(tape: _Tape, position: int, _ref: weakref.ref) -> None:
+    """The forward's Python dropped the tensor at ``position``: the replay drops it before the
+    entry recorded next, as the forward did."""
+    tape.dropped.append(position)
+
+
+def _no_autocast() -> Any:
+    """Own ops replay as recorded: autocast already chose their dtypes (its casts are on the tape)."""
+    return torch.autocast("cuda", enabled=False) if torch.is_autocast_enabled("cuda") else (
+        torch.autocast("cpu", enabled=False) if torch.is_autocast_enabled("cpu") else contextlib.nullcontext())

@@ -70,6 +70,7 @@ def profile_report(profile: Profile, path: Path) -> dict[str, Any]:
         "forward_ops": len(profile.ops), "backward_ops": len(profile.backward),
         "segments": sum(c.checkpointable for c in profile.calls),
         "chains": [[call.fqn for call in run] for run in sibling_chains(profile)],
+        "ranges": len(model.ranges),
         # Calls that run no ops would never be worth a segment: listing them is noise.
         "not_checkpointable": [{"module": c.fqn or "<model>", "reason": c.reason} for c in profile.calls
                                if c.reason and c.end_op > c.first_op],
@@ -99,7 +100,8 @@ def schedule_report(schedule: Schedule, path: Path, profile: Profile | None) -> 
     measured = {} if profile is None else {(v.impl, v.ops): v for v in profile.variants}
     kept = schedule.kept()
     segments = [
-        {"module": s.module, "chain": list(s.chain), "nested_in": nested_in.get(s.module), "ops": s.end_op - s.first_op,
+        {"module": s.module, "chain": list(s.chain), "within": s.within, "calls": list(s.calls),
+         "nested_in": nested_in.get(s.module), "ops": s.end_op - s.first_op,
          "recompute_ms": s.recompute_ms,
          "kept": [f"{k.op}#{k.occurrence}" for k in schedule.kept_in(s.module)],
          "recomputed": None if saved is None else len(saved[s.call] - kept[s.call])}

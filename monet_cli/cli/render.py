@@ -13,6 +13,7 @@ from rich.table import Table
 
 from monet_cli.core.profile import Profile
 from monet_cli.core.schedule import Schedule
+from monet_cli.core.ranges import op_ranges
 from monet_cli.core.segments import sibling_chains
 from monet_cli.core.simulate import simulate
 from monet_cli.core.units import format_bytes
@@ -37,6 +38,7 @@ def profile_summary(profile: Profile, path: str) -> dict[str, Any]:
         "backward_ops": len(profile.backward),
         "segments": sum(1 for c in profile.calls if c.checkpointable),
         "chains": len(sibling_chains(profile)),
+        "ranges": len(op_ranges(profile, sibling_chains(profile))),
         "baseline_peak_bytes": profile.baseline.peak_bytes,
         "step_ms": profile.baseline.step_ms,
         "param_bytes": mem.param_bytes,
@@ -79,7 +81,8 @@ def profile_table(profile: Profile, path: str) -> Table:
         ("precision", profile.model.precision),
         ("ops", f"{len(profile.ops)} forward, {len(profile.backward)} backward+optimizer"),
         ("segments", f"{sum(1 for c in profile.calls if c.checkpointable)} checkpointable module calls, "
-                     f"{len(sibling_chains(profile))} chains of sibling calls"),
+                     f"{len(sibling_chains(profile))} chains of sibling calls, "
+                     f"{len(op_ranges(profile, sibling_chains(profile)))} op ranges"),
         ("baseline peak", format_bytes(profile.baseline.peak_bytes) + f"  ({profile.baseline.meter})"),
         ("simulated peak", _simulated_baseline(profile)),
         ("step time", f"{profile.baseline.step_ms:.1f} ms (median of {profile.baseline.steps})"),
@@ -122,7 +125,7 @@ def schedule_table(schedule: Schedule, path: str) -> Table:
         ("predicted peak", f"{format_bytes(pred.peak_bytes)}  (baseline {format_bytes(pred.baseline_peak_bytes)})"),
         ("predicted step", f"{pred.step_ms:.1f} ms  (baseline {pred.baseline_step_ms:.1f} ms, overhead {100 * pred.overhead:+.1f}%)"),
         ("segments", f"{len(schedule.segments)} checkpointed ({len(schedule.chains)} "
-                     f"chains of sibling calls), {kept} op outputs kept"),
+                     f"chains of sibling calls, {len(schedule.ranges)} op ranges), {kept} op outputs kept"),
         ("variants", _variants_line(schedule)),
         ("offloads", _offloads_line(schedule)),
         ("solver", f"{solver.method}: {solver.status}"),
@@ -190,11 +193,12 @@ def inspect_tables(report: dict[str, Any]) -> None:
         table.add_row(key, str(value))
     console.print(table)
     if report["kind"] == "monet.schedule" and report["segments"]:  # a profile's "segments" is a count
-        seg = Table(title="segments (checkpointed module calls)", title_justify="left")
+        seg = Table(title="segments (checkpointed module calls, chains and op ranges)", title_justify="left")
         for column in ("module", "nested in", "ops", "kept", "recomputed", "recompute ms"):
             seg.add_column(column)
         for s in report["segments"]:
-            seg.add_row(s["module"], s["nested_in"] or "-", str(s["ops"]), ", ".join(s["kept"]) or "-",
+            module = s["module"] if s["within"] is None else f"{s['module']}: {', '.join(s['calls'])} and its own ops"
+            seg.add_row(module, s["nested_in"] or "-", str(s["ops"]), ", ".join(s["kept"]) or "-",
                         "-" if s["recomputed"] is None else str(s["recomputed"]), f"{s['recompute_ms']:.2f}")
         console.print(seg)
     variants = report.get("variants") or report.get("variant_sites")

@@ -108,6 +108,7 @@ def summary(schedule: Schedule, path: Path) -> dict[str, Any]:
         "overhead": schedule.predicted.overhead,
         "segments": len(schedule.segments),
         "chains": len(schedule.chains),
+        "ranges": len(schedule.ranges),
         "kept_ops": len(schedule.keeps),
         "variants": len(schedule.variants),
         "offloads": len(schedule.offloads),

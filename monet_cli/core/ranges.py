@@ -50,7 +50,7 @@ class OpRange:
 
 
 def op_ranges(profile: Profile, chains: list[tuple[ModuleCall, ...]]) -> list[OpRange]:
-    """Every range the solver may choose, in forward order."""
+    """Every range the solver may choose, in forward order (none repeats a chain's span)."""
     children: dict[int, list[ModuleCall]] = defaultdict(list)
     for call in profile.calls:
         if call.parent is not None:

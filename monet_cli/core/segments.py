@@ -164,7 +164,7 @@ class SegmentModel:
         """The profile's calls, then one record per sibling chain (type ``CHAIN``, named
         'first..last'); ``members`` holds each chain's calls."""
         self.calls, self.ranges = _with_ranges(profile, self.calls, self.members)
-        """Then one record per op range (type ``RANGE``, named 'parent[first:end]')."""
+        """Then one record per op range (type ``RANGE``, named 'module[first op:end op]')."""
         self._variant_models: dict[frozenset[int], SegmentModel] = {}
 
     def with_variants(self, chosen: frozenset[int]) -> SegmentModel:
@@ -459,7 +459,7 @@ def _with_ranges(profile: Profile, calls: tuple[ModuleCall, ...],
     for r in op_ranges(profile, chains):
         index = len(calls) + len(records)
         records.append(ModuleCall(
-            index=index, fqn=f"{profile.calls[r.parent].fqn}[{r.first_op}:{r.end_op}]", type=RANGE,
+            index=index, fqn=f"{profile.calls[r.parent].fqn or '<model>'}[{r.first_op}:{r.end_op}]", type=RANGE,
             first_op=r.first_op, end_op=r.end_op, parent=r.parent, checkpointable=True, inputs=r.inputs,
         ))
         ranges[index] = r

@@ -268,12 +268,17 @@ class RangeSegment:
                 for entry in tape.entries:
                     for position in entry.drop:
                         values[position] = None
-                    output = self._run(entry, tape, values)
-                    for position, leaf in zip(entry.outputs, tree_flatten(output)[0]):
-                        if position is not None:
-                            values[position] = leaf
+                    self._keep_outputs(entry, self._run(entry, tape, values), values)
         finally:
             self.replaying -= 1
+
+    @staticmethod
+    def _keep_outputs(entry: _Entry, output: Any, values: list[Any]) -> None:
+        # Only ``values`` may hold the outputs once this returns: a local left holding the
+        # last entry's output would keep tensors the forward had dropped.
+        for position, leaf in zip(entry.outputs, tree_flatten(output)[0]):
+            if position is not None:
+                values[position] = leaf
 
     def _run(self, entry: _Entry, tape: _Tape, values: list[Any]) -> Any:
         leaves = []

@@ -7,7 +7,9 @@ batch 16 x 128 tokens), one fresh profile, then the minimum peak with:
 1. module calls: one segment per module call, none nested (what monet started with);
 2. + nesting: a segment may hold its nearest sub-segment (recursive checkpointing);
 3. + chains: a segment may span a run of sibling calls (``core.segments.sibling_chains``);
-4. + variants: the operator variants too (``monet solve``'s default decision space).
+4. + ranges: a segment may be a stretch of one module's forward, its own code included
+   (``core.ranges.op_ranges``);
+5. + variants: the operator variants too (``monet solve``'s default decision space).
 
 The last floor's schedule runs once against the unmodified model with its own predicted peak
 as the budget: measured peak, prediction error, gradient check. The issue's reach targets sit
@@ -58,12 +60,20 @@ BLOCKS = {"gpt": r"blocks\.\d+", "resnet50": r"layer\d\.\d+", "gpt2": r"transfor
 TARGETS = {"resnet50": ("activation_ratio", 4.0), "unet": ("baseline_fraction", 0.5), "gpt": ("below_blocks", 1.25)}
 
 
+class Chains(SegmentModel):
+    """Module calls and chains, as before op ranges."""
+
+    def __init__(self, profile: Profile) -> None:
+        super().__init__(profile)
+        self.calls, self.ranges = self.calls[:len(self.calls) - len(self.ranges)], {}
+
+
 class NestedCalls(SegmentModel):
     """Module-call segments only, as before chains."""
 
     def __init__(self, profile: Profile) -> None:
         super().__init__(profile)
-        self.calls, self.members = profile.calls, {}
+        self.calls, self.members, self.ranges = profile.calls, {}, {}
 
 
 class ModuleCalls(NestedCalls):
@@ -73,7 +83,7 @@ class ModuleCalls(NestedCalls):
 
 
 FAMILIES = (("module calls", ModuleCalls, False), ("+ nesting", NestedCalls, False),
-            ("+ chains", SegmentModel, False), ("+ variants", SegmentModel, True))
+            ("+ chains", Chains, False), ("+ ranges", SegmentModel, False), ("+ variants", SegmentModel, True))
 
 
 def block_peak(profile: Profile, workload: str) -> int | None:
@@ -114,11 +124,12 @@ def measure(name: str, time_limit_s: float, workers: int) -> dict:
     measured = report.measured_peak_bytes
     blocks = block_peak(profile, name)
     chains = [s.module for s in schedule.chains]
+    ranges = [s.module for s in schedule.ranges]
     return {
         "workload": name, "model": profile.model.name, "batch_size": profile.model.batch_size,
         "inputs": [list(i.shape) for i in profile.model.inputs], "profile_s": round(profile_s, 1),
         "baseline_peak_bytes": base, "fixed_bytes": fixed, "floors": floors, "block_peak_bytes": blocks,
-        "floor_segments": len(schedule.segments), "floor_chains": chains, "floor_variants": len(schedule.variants),
+        "floor_segments": len(schedule.segments), "floor_chains": chains, "floor_ranges": ranges, "floor_variants": len(schedule.variants),
         "measured_peak_bytes": measured, "error": (floor.peak_bytes - measured) / measured,
         "within_budget": measured <= floor.peak_bytes, "check_ok": report.check.ok,
         "check_mode": report.check.mode, "max_relative_diff": report.check.max_relative_diff,

@@ -288,3 +288,35 @@ class StemNet(nn.Module):
 
 def stem_net(width: int = 16, num_classes: int = 5) -> nn.Module:
     return StemNet(width, num_classes)
+
+
+class RangeNet(nn.Module):
+    """A forward whose own code sits between its calls, which only op ranges can cover: a
+    buffer it writes, dropout and a gated activation, an in-place add on a tensor it made,
+    one module called twice, and a residual from its input. ``extra`` adds one own op (the
+    same modules, another op sequence). Input [N, width]."""
+
+    def __init__(self, width: int = 16, num_classes: int = 5, extra: bool = False) -> None:
+        super().__init__()
+        self.up = nn.Linear(width, 4 * width)
+        self.act = nn.ReLU()
+        self.bn = nn.BatchNorm1d(4 * width)
+        self.down = nn.Linear(4 * width, width)
+        self.head = nn.Linear(width, num_classes)
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+        self.extra = extra
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls.add_(1)
+        h = self.act(self.up(x))
+        h = torch.nn.functional.dropout(h * torch.sigmoid(h), 0.2, self.training)
+        h = self.act(self.bn(h))
+        g = h * 2.0
+        g.add_(1.0)
+        if self.extra:
+            g = g * 0.5
+        return self.head(x + self.down(g))
+
+
+def range_net(width: int = 16, num_classes: int = 5, extra: bool = False) -> nn.Module:
+    return RangeNet(width, num_classes, extra)

@@ -12,8 +12,8 @@ from rich.console import Console
 from rich.table import Table
 
 from monet_cli.core.profile import Profile
-from monet_cli.core.schedule import Schedule
 from monet_cli.core.ranges import op_ranges
+from monet_cli.core.schedule import Schedule
 from monet_cli.core.segments import sibling_chains
 from monet_cli.core.simulate import simulate
 from monet_cli.core.units import format_bytes

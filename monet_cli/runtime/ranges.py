@@ -13,7 +13,8 @@ The tape never holds what the range makes: arguments made inside it are position
 replay's own list, and each position is dropped where the forward's Python dropped that
 tensor (the simulator's rule for a recompute's transient outputs). What the range reads from
 before it is held by the tape until its backward is done, as checkpoint holds its arguments.
-An own op that writes a tensor from before the range (a buffer) writes a copy in the replay.
+An own op that writes a tensor from before the range (a buffer) has that tensor's value put
+back after its replay.
 """
 
 from __future__ import annotations
@@ -22,13 +23,13 @@ import contextlib
 import functools
 import weakref
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.checkpoint import _checkpoint_without_reentrant_generator, noop_context_fn
 from torch.utils.weak import WeakTensorKeyDictionary
@@ -231,6 +232,7 @@ class RangeSegment:
             self._fail("its calls differ from the profiled ones")
         if self.own_ops != self.decision.own_ops:
             self._fail(f"it ran {self.own_ops} of the module's own ops where the profile saw {self.decision.own_ops}")
+
         frame, self.frame = self.frame, None
         with self.marker:
             try:
@@ -281,21 +283,33 @@ class RangeSegment:
                 values[position] = leaf
 
     def _run(self, entry: _Entry, tape: _Tape, values: list[Any]) -> Any:
-        leaves = []
-        for k, leaf in enumerate(entry.leaves):
-            if isinstance(leaf, _Made):
-                leaf = values[leaf.position]
-            elif isinstance(leaf, _Before):
-                leaf = tape.before[leaf.index]
-                if k in entry.writes:
-                    with self.marker, torch.no_grad():
-                        leaf = leaf.clone()  # a buffer the forward wrote already
-            leaves.append(leaf)
+        leaves = [values[leaf.position] if isinstance(leaf, _Made) else
+                  tape.before[leaf.index] if isinstance(leaf, _Before) else leaf for leaf in entry.leaves]
         args, kwargs = tree_unflatten(leaves, entry.spec)
         if entry.is_call:
             return entry.run(*args, **kwargs)
-        with torch.set_grad_enabled(entry.grad), _no_autocast():
+        written = [leaves[k] for k in entry.writes if isinstance(entry.leaves[k], _Before)]
+        with _restored(written), torch.set_grad_enabled(entry.grad), _no_autocast():
             return entry.run(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def _restored(tensors: list[torch.Tensor]) -> Iterator[None]:
+    """Put back the values of tensors from before the range that an own op writes (a step
+    counter, running statistics): the forward wrote them already. The copies are made below
+    every dispatch mode, as the BatchNorm guard's are, so the step's memory meter does not
+    count them and the replayed op writes the real tensor, whose memory it counts already."""
+    if not tensors:
+        yield
+        return
+    with torch.no_grad(), _disable_current_modes():
+        saved = [t.clone() for t in tensors]
+    try:
+        yield
+    finally:
+        with torch.no_grad(), _disable_current_modes():
+            for tensor, value in zip(tensors, saved):
+                tensor.copy_(value)
 
 
 def _dropped(tape: _Tape, position: int, _ref: weakref.ref) -> None:

@@ -1,0 +1,186 @@
+"""Op ranges: segments over a stretch of one module's forward, its own code included. Which
+stretches qualify, that the solver never runs two crossing ones, and that the frame with its
+replayed tape holds the simulator's timeline op by op and the unmodified model's gradients."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import small_spec
+from typer.testing import CliRunner
+
+import monet_cli
+from monet_cli.cli.app import app
+from monet_cli.core.plan import build_schedule
+from monet_cli.core.profile import save_profile
+from monet_cli.core.ranges import PARENT
+from monet_cli.core.schedule import SolverInfo, load_schedule, save_schedule
+from monet_cli.core.segments import SegmentModel
+from monet_cli.core.simulate import simulate
+from monet_cli.core.solver.linear import live_series
+from monet_cli.core.solver.search import Planner
+from monet_cli.errors import FingerprintError
+from monet_cli.profiler.run import profile_model
+from monet_cli.runtime.compare import run_apply
+from monet_cli.workload.step import build_workload
+
+CPU = torch.device("cpu")
+INFO = SolverInfo(method="test", status="n/a", objective=None, bound=None, gap=None, time_s=0.0, workers=1,
+                  seed=0, time_limit_s=0.0, ortools="")
+
+
+def _ranges(model: SegmentModel) -> dict[str, int]:
+    return {model.calls[c].fqn: c for c in model.segments if c in model.ranges}
+
+
+def _range_net_spec(**model_kwargs):
+    return small_spec("tests.models_for_tests:range_net", shape=(16,), batch_size=8, model_kwargs=model_kwargs)
+
+
+@pytest.fixture(scope="module")
+def range_net_profile():
+    return profile_model(_range_net_spec(), CPU, steps=1)
+
+
+def _check(profile, plan, *, exact: bool = True):
+    """One step op by op against the simulator; two steps against the unmodified model
+    (gradients, updated parameters and buffers, bit for bit).
+
+    Not ``exact``: a recomputed tensor that an addmm saved dies when backward has used it,
+    a few ops before the node that saved it is released (checkpoint hands it over on
+    unpack; the simulator holds it to the release the profile measured): below the
+    prediction at those few points, never above."""
+    model = SegmentModel(profile)
+    schedule = build_schedule(profile, plan, budget_bytes=profile.baseline.peak_bytes * 2, budget_spec="2x",
+                              solver=INFO, profile_sha256="", model=model)
+    report = run_apply(schedule, CPU, steps=1, check=False, timeline=True)
+    predicted = live_series(model, plan)
+    if exact:
+        assert report.timeline == predicted
+    else:
+        assert len(report.timeline) == len(predicted)
+        assert all(measured <= live for measured, live in zip(report.timeline, predicted))
+        assert sum(measured < live for measured, live in zip(report.timeline, predicted)) <= 4
+    checked = run_apply(schedule, CPU, steps=2, check=True)
+    assert checked.check.grads_match and checked.check.params_match and checked.check.buffers_match
+    return schedule
+
+
+def test_ranges_cover_a_blocks_own_code(resnet18_profile):
+    model = SegmentModel(resnet18_profile)
+    ranges = _ranges(model)
+    ops = resnet18_profile.ops
+    block = next(c for c in resnet18_profile.calls if c.fqn == "layer2.0")
+    residual = next(i for i in range(block.first_op, block.end_op) if ops[i].module == "layer2.0")
+    calls = {c.fqn: c for c in resnet18_profile.calls if c.parent == block.index}
+    # From bn2 to the block's end: the downsample branch, the residual add and the last ReLU.
+    tail = model.ranges[ranges[f"layer2.0[{calls['layer2.0.bn2'].first_op}:{block.end_op}]"]]
+    assert tail.first_op <= residual < tail.end_op and tail.own_ops == 1
+    # It closes at the end of the block's last call (its ReLU, called three times), which is the block's end.
+    assert resnet18_profile.calls[tail.calls[-1]].fqn == "layer2.0.relu" and tail.close_at != PARENT
+    # It holds what it reads from before it: the block's input (for the downsample) and bn2's.
+    assert set(tail.inputs) == {*calls["layer2.0.downsample"].inputs, *calls["layer2.0.bn2"].inputs}
+    # From the downsample branch on, the add would read bn2's output, made by an op that made
+    # three storages: which one the add holds cannot be told, so that range is not offered.
+    assert f"layer2.0[{calls['layer2.0.downsample'].first_op}:{block.end_op}]" not in ranges
+    # No range repeats a chain, and each range's frame sees its calls' saved tensors.
+    chains = {(model.calls[c].first_op, model.calls[c].end_op) for c in model.members}
+    assert not chains & {(r.first_op, r.end_op) for r in model.ranges.values()}
+    bn2 = calls["layer2.0.bn2"].index
+    assert set(model.packs_by_call[bn2]) <= set(model.packs_by_call[ranges[model.calls[ranges[
+        f"layer2.0[{calls['layer2.0.bn2'].first_op}:{block.end_op}]"]].fqn]])
+
+
+def test_crossing_ranges_are_never_chosen_together(range_net_profile):
+    model = SegmentModel(range_net_profile)
+    assert model.crossing_pairs
+    a, b = model.crossing_pairs[0]
+    with pytest.raises(ValueError, match="overlap"):
+        simulate(range_net_profile, {a: frozenset(), b: frozenset()}, model=model)
+    lowest = Planner(model, variants=False).minimum_peak(time_limit_s=10, workers=1, seed=0)
+    assert not any(x in lowest.plan and y in lowest.plan for x, y in model.crossing_pairs)
+    # A range is never the inner segment of a nested pair: it holds what it reads itself.
+    assert not any(inner in model.ranges for _, inner in model.nest_pairs)
+
+
+@pytest.mark.parametrize(("name", "exact"), [
+    # Opens with the forward: the buffer write, dropout, BatchNorm, the ReLU called twice; its
+    # recompute stops inside 'down', whose addmm saved a recomputed tensor.
+    ("<model>[0:18]", False),
+    ("<model>[13:21]", False),  # opens at the second call of the ReLU: the in-place add and the residual
+    ("<model>[3:14]", True),   # reads the Linear's output made before it
+])
+def test_a_range_replays_the_modules_own_ops_exactly(range_net_profile, name, exact):
+    model = SegmentModel(range_net_profile)
+    schedule = _check(range_net_profile, {_ranges(model)[name]: frozenset()}, exact=exact)
+    segment = schedule.segments[0]
+    assert segment.within == "" and segment.own_ops == model.ranges[_ranges(model)[name]].own_ops
+
+
+def test_ranges_in_a_resnet_and_a_range_holding_a_nested_segment(resnet18_profile):
+    model = SegmentModel(resnet18_profile)
+    ranges = _ranges(model)
+    calls = {c.fqn: c for c in resnet18_profile.calls}
+    tail = ranges[f"layer2.0[{calls['layer2.0.bn2'].first_op}:{calls['layer2.0'].end_op}]"]
+    stem = ranges[f"<model>[{calls['bn1'].first_op}:{calls['layer1'].end_op}]"]
+    _check(resnet18_profile, {tail: frozenset(), stem: frozenset()})
+    outer, inner = next((o, i) for o, i in model.nest_pairs if o in model.ranges)
+    _check(resnet18_profile, {outer: frozenset(), inner: frozenset()})
+
+
+def test_an_attention_range_recomputes_the_same_dropout_mask():
+    from monet_cli.workload.resolve import Overrides, resolve_model_spec
+
+    profile = profile_model(resolve_model_spec("configs/gpt.yaml", Overrides(batch_size=2)), CPU, steps=1)
+    model = SegmentModel(profile)
+    # On this CPU attention with dropout runs as its parts: a softmax, then dropout's bernoulli_.
+    sdpa = next(op.index for op in profile.ops if op.op == "aten.bernoulli_.float" and op.module == "blocks.1")
+    around = [c for c, r in model.ranges.items() if r.first_op <= sdpa < r.end_op and model.calls[r.parent].fqn == "blocks.1"]
+    smallest = min(around, key=lambda c: model.ranges[c].end_op - model.ranges[c].first_op)
+    assert [profile.calls[c].fqn for c in model.ranges[smallest].calls] == ["blocks.1.qkv", "blocks.1.proj"]
+    _check(profile, {smallest: frozenset()}, exact=False)  # proj is an addmm
+
+
+def test_a_range_refuses_another_op_sequence_and_leaves_nothing_behind(range_net_profile, tmp_path):
+    model = SegmentModel(range_net_profile)
+    schedule = build_schedule(range_net_profile, {_ranges(model)["<model>[13:21]"]: frozenset()},
+                              budget_bytes=2 * range_net_profile.baseline.peak_bytes, budget_spec="2x", solver=INFO,
+                              profile_sha256="")
+    save_schedule(schedule, tmp_path / "s.yaml")
+    loaded = load_schedule(tmp_path / "s.yaml")
+    assert loaded == schedule and loaded.ranges == loaded.segments
+    assert loaded.segments[0].members == ("", "act", "down", "head") and loaded.segments[0].skip == 1
+    assert "own_ops: 3" in (tmp_path / "s.yaml").read_text()
+
+    workload = build_workload(_range_net_spec(extra=True), CPU)
+    monet_cli.apply(workload.model, schedule, check_fingerprint=False)
+    args, kwargs = workload.call_args()
+    with torch.no_grad():
+        workload.model(*args, **kwargs)  # nothing is saved without grad: no frame opens
+    with pytest.raises(FingerprintError, match="ran 4 of the module's own ops where the profile saw 3"):
+        workload.model(*args, **kwargs)
+    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    assert _get_current_dispatch_mode() is None
+
+
+def test_solve_counts_ranges_and_inspect_and_validate_show_them(range_net_profile, tmp_path):
+    save_profile(range_net_profile, tmp_path / "p.yaml")
+    runner = CliRunner()
+    floor = Planner(SegmentModel(range_net_profile), variants=False).minimum_peak(time_limit_s=10, workers=1, seed=0)
+    result = runner.invoke(app, ["solve", str(tmp_path / "p.yaml"), "--budget", str(floor.peak_bytes), "--no-variants",
+                                 "--output", str(tmp_path / "s.yaml"), "--json", "--workers", "1"])
+    assert result.exit_code == 0, result.output
+    solved = json.loads(result.stdout)
+    schedule = load_schedule(tmp_path / "s.yaml")
+    assert solved["ranges"] == len(schedule.ranges) >= 1
+    result = runner.invoke(app, ["inspect", str(tmp_path / "s.yaml"), "--json"])
+    segment = next(s for s in json.loads(result.stdout)["segments"] if s["within"] is not None)
+    assert segment["calls"] and segment["module"].startswith("<model>[")
+    result = runner.invoke(app, ["inspect", str(tmp_path / "p.yaml"), "--json"])
+    assert json.loads(result.stdout)["ranges"] == len(SegmentModel(range_net_profile).ranges)
+    result = runner.invoke(app, ["validate", str(tmp_path / "s.yaml")])
+    assert result.exit_code == 0, result.output

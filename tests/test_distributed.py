@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from dataclasses import replace
@@ -65,6 +66,42 @@ def test_ddp_runs_a_chain_segment(tmp_path: Path):
                                  solver=INFO, profile_sha256="", model=model), tmp_path / "chain.yaml")
     reports = _torchrun("ddp_worker.py", tmp_path / "chain.yaml", tmp_path)
     assert all(r["equal"] for r in reports), reports
+
+
+def test_ddp_runs_op_ranges(tmp_path: Path):
+    """Two op ranges under DDP, one of the model's own forward (bn1 to the end of layer1) and one
+    of a block's (bn2 to the residual add and the last ReLU): gradients equal the unscheduled run's."""
+    profile = profile_model(small_spec("resnet18", shape=(3, 32, 32), batch_size=2), torch.device("cpu"), steps=1)
+    model = SegmentModel(profile)
+    calls = {c.fqn: c for c in profile.calls}
+    by_name = {seg.fqn: c for c, seg in model.segments.items()}
+    plan = {by_name[f"<model>[{calls['bn1'].first_op}:{calls['layer1'].end_op}]"]: frozenset(),
+            by_name[f"layer2.0[{calls['layer2.0.bn2'].first_op}:{calls['layer2.0'].end_op}]"]: frozenset()}
+    save_schedule(build_schedule(profile, plan, budget_bytes=2 * profile.baseline.peak_bytes, budget_spec="200%",
+                                 solver=INFO, profile_sha256="", model=model), tmp_path / "ranges.yaml")
+    reports = _torchrun("ddp_worker.py", tmp_path / "ranges.yaml", tmp_path)
+    assert all(r["equal"] for r in reports), reports
+
+
+def test_fsdp2_runs_op_ranges_in_sharded_layers(tmp_path: Path):
+    """In each LLaMA decoder layer (an FSDP2 unit), the op range with the most of the layer's own
+    code: its replay calls the layer's projections while FSDP2 has their parameters gathered."""
+    from bench.real_models import case_spec
+
+    profile = profile_model(case_spec("llama"), torch.device("cpu"), steps=1)
+    model = SegmentModel(profile)
+    best: dict[int, int] = {}
+    for c, r in model.ranges.items():
+        if c in model.segments and re.fullmatch(r"model\.layers\.\d+", profile.calls[r.parent].fqn):
+            if r.parent not in best or r.own_ops > model.ranges[best[r.parent]].own_ops:
+                best[r.parent] = c
+    assert len(best) >= 2
+    save_schedule(build_schedule(profile, dict.fromkeys(best.values(), frozenset()), budget_spec="200%",
+                                 budget_bytes=2 * profile.baseline.peak_bytes, solver=INFO, profile_sha256="",
+                                 model=model), tmp_path / "fsdp.yaml")
+    reports = _torchrun("fsdp_worker.py", tmp_path / "fsdp.yaml", tmp_path)
+    for r in reports:
+        assert r["scheduled"] == r["plain"] and r["params_equal"], r
 
 
 def test_ddp_runs_an_offload_beside_a_segment(tmp_path: Path, monkeypatch):

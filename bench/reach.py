@@ -60,20 +60,17 @@ BLOCKS = {"gpt": r"blocks\.\d+", "resnet50": r"layer\d\.\d+", "gpt2": r"transfor
 TARGETS = {"resnet50": ("activation_ratio", 4.0), "unet": ("baseline_fraction", 0.5), "gpt": ("below_blocks", 1.25)}
 
 
-class Chains(SegmentModel):
+def chains(profile: Profile) -> SegmentModel:
     """Module calls and chains, as before op ranges."""
-
-    def __init__(self, profile: Profile) -> None:
-        super().__init__(profile)
-        self.calls, self.ranges = self.calls[:len(self.calls) - len(self.ranges)], {}
+    return SegmentModel(profile, offer_ranges=False)
 
 
 class NestedCalls(SegmentModel):
     """Module-call segments only, as before chains."""
 
     def __init__(self, profile: Profile) -> None:
-        super().__init__(profile)
-        self.calls, self.members, self.ranges = profile.calls, {}, {}
+        super().__init__(profile, offer_ranges=False)
+        self.calls, self.members = profile.calls, {}
 
 
 class ModuleCalls(NestedCalls):
@@ -83,7 +80,7 @@ class ModuleCalls(NestedCalls):
 
 
 FAMILIES = (("module calls", ModuleCalls, False), ("+ nesting", NestedCalls, False),
-            ("+ chains", Chains, False), ("+ ranges", SegmentModel, False), ("+ variants", SegmentModel, True))
+            ("+ chains", chains, False), ("+ ranges", SegmentModel, False), ("+ variants", SegmentModel, True))
 
 
 def block_peak(profile: Profile, workload: str) -> int | None:

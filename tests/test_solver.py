@@ -99,10 +99,11 @@ def test_delta_rows_equal_whole_step_simulations(resnet18_profile):
 
 @pytest.fixture(scope="module")
 def two_branch():
-    """Blocks of two branches: at the smallest peak, the best schedule nests a branch in its block."""
+    """Blocks of two branches: at the smallest peak, the best schedule nests a branch in its block
+    (module calls only: an op range over a block's first branch and its own code gets as low)."""
     spec = small_spec("tests.models_for_tests:two_branch_mlp", shape=(16,), batch_size=64)
     profile = profile_model(spec, CPU, steps=1)
-    model = SegmentModel(profile)
+    model = SegmentModel(profile, offer_ranges=False)
     scored = [(simulate(profile, p, model=model), p) for p in all_plans(model)]
     return profile, model, scored
 

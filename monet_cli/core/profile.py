@@ -133,7 +133,8 @@ class Overheads:
     again in the recompute, and its unpack. Profiles made before it was measured say 0 (their
     ``segment_ms`` then covers a segment of 20 saved tensors)."""
     policy_op_ms: float = 0.0
-    """Each op inside a segment with a selective keep policy (its dispatch modes run in forward and recompute)."""
+    """Each op inside a segment with a selective keep policy (its dispatch modes run in forward and
+    recompute). An op range's recorder, a dispatch mode in the forward only, is priced at one of these per op."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

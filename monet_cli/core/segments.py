@@ -155,16 +155,24 @@ class Frame:
 class SegmentModel:
     """Per-call segment facts for one profile, computed once."""
 
-    def __init__(self, profile: Profile, *, offer_offloads: bool = True) -> None:
+    def __init__(self, profile: Profile, *, offer_offloads: bool = True, offer_ranges: bool = True,
+                 like: SegmentModel | None = None) -> None:
         self.profile = with_offload_sites(profile) if offer_offloads else profile
         """The profile, with the offloads it offers among its variants (``core/offload.py``)."""
         profile = self.profile
         self.end = profile.num_positions
-        self.calls, self.members = _with_chains(profile)
+        self.calls, self.members = _with_chains(profile) if like is None else (like.calls, like.members)
         """The profile's calls, then one record per sibling chain (type ``CHAIN``, named
         'first..last'); ``members`` holds each chain's calls."""
-        self.calls, self.ranges = _with_ranges(profile, self.calls, self.members)
-        """Then one record per op range (type ``RANGE``, named 'module[first op:end op]')."""
+        if like is not None:
+            self.calls, self.ranges = like.calls, like.ranges
+        elif offer_ranges:
+            self.calls, self.ranges = _with_ranges(profile, self.calls, self.members)
+        else:
+            self.ranges = {}
+        """Then one record per op range (type ``RANGE``, named 'module[first op:end op]').
+        A model of the profile rewritten for operator variants takes them from the original
+        (``like``): a plan's call indices must name the same segments in both."""
         self._variant_models: dict[frozenset[int], SegmentModel] = {}
 
     def with_variants(self, chosen: frozenset[int]) -> SegmentModel:
@@ -174,7 +182,7 @@ class SegmentModel:
         if chosen not in self._variant_models:
             if len(self._variant_models) >= VARIANT_MODELS_CACHED:
                 self._variant_models.pop(next(iter(self._variant_models)))
-            self._variant_models[chosen] = SegmentModel(with_variants(self.profile, chosen), offer_offloads=False)
+            self._variant_models[chosen] = SegmentModel(with_variants(self.profile, chosen), offer_offloads=False, like=self)
         return self._variant_models[chosen]
 
     @cached_property
@@ -323,22 +331,27 @@ class SegmentModel:
     @cached_property
     def nest_pairs(self) -> tuple[tuple[int, int], ...]:
         """(outer, inner): each segment with the nearest enclosing segment, which may hold it
-        nested. Both must be recomputed at some point (a recompute that never runs nests
-        nothing). Nearest only, and outers of at most ``MAX_NESTED_CHILDREN`` segments (a
-        layer holding its attention, not a stack of layers holding one): the pairs grow with
-        the number of segments, and each pair's rows with its outer's size, not the model's.
-        An inner segment that saves only its arguments (a Linear) is left out: nested, the
-        outer would save the same tensors for it, and its recompute would only add time."""
+        nested, and with the nearest enclosing op range (ranges sit between a call and its
+        parent, so the parent keeps its pair). Both must be recomputed at some point (a
+        recompute that never runs nests nothing). Nearest only, and outers of at most
+        ``MAX_NESTED_CHILDREN`` segments (a layer holding its attention, not a stack of layers
+        holding one): the pairs grow with the number of segments, and each pair's rows with
+        its outer's size, not the model's. An inner segment that saves only its arguments (a
+        Linear) is left out: nested, the outer would save the same tensors for it, and its
+        recompute would only add time. A range is never the inner one (``core/ranges.py``)."""
         bursting = {c for c, seg in self.segments.items() if seg.burst_pos is not None}
-        nearest = {c: next((a for a in self.ancestors[c][1:] if a in self.segments), None) for c in bursting}
-        children: dict[int | None, int] = defaultdict(int)
-        for outer in nearest.values():
+        candidates = []
+        for inner in sorted(bursting - self.ranges.keys()):
+            enclosing = [a for a in self.ancestors[inner][1:] if a in self.segments]
+            for ranges in (False, True):
+                outer = next((a for a in enclosing if (a in self.ranges) == ranges), None)
+                if outer in bursting:
+                    candidates.append((outer, inner))
+        children: dict[int, int] = defaultdict(int)
+        for outer, _ in candidates:
             children[outer] += 1
-        return tuple(
-            (outer, inner) for inner, outer in sorted(nearest.items())
-            if outer in bursting and children[outer] <= MAX_NESTED_CHILDREN and self._saves_what_it_makes(inner)
-            and inner not in self.ranges
-        )
+        return tuple(sorted((outer, inner) for outer, inner in candidates
+                            if children[outer] <= MAX_NESTED_CHILDREN and self._saves_what_it_makes(inner)))
 
     def _saves_what_it_makes(self, call_index: int) -> bool:
         seg = self.segments[call_index]
@@ -390,12 +403,14 @@ class SegmentModel:
 
     def overhead_ms(self, call_index: int, kept: frozenset[int] = frozenset(), frame: Frame | None = None) -> float:
         """Checkpoint machinery time of a segment: the call, each tensor saved through its
-        frame (as ``frame`` when nested), and the selective policy's dispatch when it keeps ops."""
+        frame (as ``frame`` when nested), and a dispatch mode's time per op: the selective
+        policy's, in forward and recompute, when it keeps ops; an op range's recorder, in
+        the forward."""
         seg = self.segments[call_index]
         costs = self.profile.overheads
         saves = frame.saves if frame else len(seg.packs)
-        policy = costs.policy_op_ms * 2 * (seg.end_op - seg.first_op) if kept else 0.0
-        return costs.segment_ms + costs.saved_tensor_ms * saves + policy
+        modes = 2 if kept else 1 if seg.range else 0
+        return costs.segment_ms + costs.saved_tensor_ms * saves + costs.policy_op_ms * modes * (seg.end_op - seg.first_op)
 
     def added_ms(self, call_index: int, kept: frozenset[int] = frozenset(), frame: Frame | None = None) -> float:
         """What checkpointing the segment adds to the step: re-run ops plus machinery."""

@@ -8,8 +8,10 @@ autograd, where the profile can tell which saved tensors fall inside. Its recomp
 what the forward ran: the calls as calls (their own segments and guards run again) and the
 module's own ops as the recorded aten ops.
 
-A range either holds some of the module's own ops, or spans two or more calls that are not
-already a sibling chain (``segments.sibling_chains``). What a range reads from before it
+A range either holds some of the module's own ops, or spans two or more calls of which one at
+least makes calls of its own (a block of a stage). Spans of leaf calls alone are left to
+sibling chains (``segments.sibling_chains``): in a ResNet's blocks they are four ranges in
+five, and the solver slows with the candidates far more than the floor gains from them. What a range reads from before it
 (external tensors) is held by its recompute until its backward is done, as checkpoint holds
 its arguments; so a range is never the inner segment of a nested pair, where an outer frame
 would be expected to drop those.
@@ -59,17 +61,18 @@ def op_ranges(profile: Profile, chains: list[tuple[ModuleCall, ...]]) -> list[Op
     for call in profile.calls:
         called[call.fqn] += 1
     taken = {(run[0].first_op, run[-1].end_op) for run in chains}
-    single = _single_outputs(profile)
+    held = _held_outputs(profile)
     ranges = []
     for parent, calls in sorted(children.items()):
         if called[profile.calls[parent].fqn] == 1 and len(calls) <= MAX_RANGE_CALLS:
             calls = sorted(calls, key=lambda c: c.first_op)
-            ranges += [r for r in _ranges_in(profile, profile.calls[parent], calls, single)
+            ranges += [r for r in _ranges_in(profile, profile.calls[parent], calls, held, set(children))
                        if (r.first_op, r.end_op) not in taken]
     return sorted(ranges, key=lambda r: (r.first_op, -r.end_op))
 
 
-def _ranges_in(profile: Profile, parent: ModuleCall, calls: list[ModuleCall], single: dict[int, int]) -> list[OpRange]:
+def _ranges_in(profile: Profile, parent: ModuleCall, calls: list[ModuleCall], held: dict[int, tuple[int, ...]],
+               parents: set[int]) -> list[OpRange]:
     if any(call.reason and not call.reason.startswith("called ") for call in calls):
         return []  # a call whose re-run does not repeat it (or that writes its inputs) cannot be replayed
     # Where a call starts or ends with the forward, its hook is the same boundary.
@@ -87,9 +90,9 @@ def _ranges_in(profile: Profile, parent: ModuleCall, calls: list[ModuleCall], si
                 continue
             members = tuple(c for c in calls if first <= c.first_op and c.end_op <= end)
             own = [op for op in range(first, end) if op not in inside_calls]
-            if not own and len(members) < 2:
+            if not own and (len(members) < 2 or all(c.index not in parents for c in members)):
                 continue
-            inputs = _external_inputs(profile, first, members, own, single)
+            inputs = _external_inputs(profile, first, members, own, held)
             if inputs is not None and not _writes_before(profile, first, end):
                 ranges.append(OpRange(parent=parent.index, first_op=first, end_op=end,
                                       calls=tuple(c.index for c in members), open_at=open_at,
@@ -97,19 +100,32 @@ def _ranges_in(profile: Profile, parent: ModuleCall, calls: list[ModuleCall], si
     return ranges
 
 
-def _single_outputs(profile: Profile) -> dict[int, int]:
-    """Op -> its activation storage, for ops that made exactly one."""
+SMALL_SIDE_OUTPUTS = 1 / 16
+"""An op's other outputs count as small beside its largest one up to this fraction of it."""
+
+
+def _held_outputs(profile: Profile) -> dict[int, tuple[int, ...]]:
+    """Op -> the activation storages a range that reads the op's output holds. The profile
+    does not say which of an op's outputs a reader takes: where the op made one large output
+    and small side outputs (a BatchNorm's or a LayerNorm's statistics), all of them, which
+    over-states what is held by the side outputs' bytes; where it made two large ones (a
+    dropout's mask), none: no range reads such an op's output."""
     made: dict[int, list[int]] = defaultdict(list)
     for storage in profile.storages:
         if storage.kind == "activation" and storage.producer is not None:
             made[storage.producer].append(storage.id)
-    return {op: storages[0] for op, storages in made.items() if len(storages) == 1}
+    held = {}
+    for op, storages in made.items():
+        sizes = sorted((profile.storages[s].bytes for s in storages), reverse=True)
+        if sum(sizes[1:]) <= sizes[0] * SMALL_SIDE_OUTPUTS:
+            held[op] = tuple(storages)
+    return held
 
 
 def _external_inputs(profile: Profile, first: int, members: tuple[ModuleCall, ...], own: list[int],
-                     single: dict[int, int]) -> tuple[int, ...] | None:
-    """Activation storages made before ``first`` that the range reads, or None when one of
-    them cannot be told exactly (an own op reads from an op that made several storages) or
+                     held: dict[int, tuple[int, ...]]) -> tuple[int, ...] | None:
+    """Activation storages made before ``first`` that the range holds (``_held_outputs``),
+    or None when an own op reads from an op whose outputs cannot be told apart, or one of them
     is written in place later (the replay would read the written value)."""
     storages = profile.storages
     reads = {s for call in members for s in call.inputs
@@ -117,9 +133,9 @@ def _external_inputs(profile: Profile, first: int, members: tuple[ModuleCall, ..
     for op in own:
         for producer in profile.ops[op].inputs:
             if producer < first:
-                if producer not in single:
+                if producer not in held:
                     return None
-                reads.add(single[producer])
+                reads.update(held[producer])
     if any(storages[s].mutated for s in reads):
         return None
     return tuple(sorted(reads))

@@ -80,11 +80,12 @@ def test_ranges_cover_a_blocks_own_code(resnet18_profile):
     assert tail.first_op <= residual < tail.end_op and tail.own_ops == 1
     # It closes at the end of the block's last call (its ReLU, called three times), which is the block's end.
     assert resnet18_profile.calls[tail.calls[-1]].fqn == "layer2.0.relu" and tail.close_at != PARENT
-    # It holds what it reads from before it: the block's input (for the downsample) and bn2's.
     assert set(tail.inputs) == {*calls["layer2.0.downsample"].inputs, *calls["layer2.0.bn2"].inputs}
-    # From the downsample branch on, the add would read bn2's output, made by an op that made
-    # three storages: which one the add holds cannot be told, so that range is not offered.
+    # From the downsample branch on, `out += identity` writes bn2's output, made before the
+    # range, in place: a replay would add twice, so that range is not offered.
+    assert ops[residual].inplace_of < calls["layer2.0.downsample"].first_op
     assert f"layer2.0[{calls['layer2.0.downsample'].first_op}:{block.end_op}]" not in ranges
+    # bn2's range reads its input from conv2 and the block's input (for the downsample).
     # No range repeats a chain, and each range's frame sees its calls' saved tensors.
     chains = {(model.calls[c].first_op, model.calls[c].end_op) for c in model.members}
     assert not chains & {(r.first_op, r.end_op) for r in model.ranges.values()}

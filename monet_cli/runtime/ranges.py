@@ -23,7 +23,7 @@ import contextlib
 import functools
 import weakref
 from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -62,7 +62,7 @@ class _Entry:
     outputs: list[int | None]
     """Replay position of each flattened output leaf (None: not a tensor)."""
     writes: tuple[int, ...] = ()
-    """Leaves the overload writes in place (its schema says so)."""
+    """Positions in ``leaves`` of the arguments the overload writes in place."""
     grad: bool = True
     is_call: bool = False
     drop: list[int] = field(default_factory=list)
@@ -89,7 +89,7 @@ class _Recorder(TorchDispatchMode):
         kwargs = kwargs or {}
         if self.owner.in_call is not None:
             return func(*args, **kwargs)
-        entry = self.owner.entry(func, (args, kwargs), writes=_written(func), grad=torch.is_grad_enabled())
+        entry = self.owner.entry(func, (args, kwargs), written=_written(func, args, kwargs), grad=torch.is_grad_enabled())
         out = func(*args, **kwargs)
         self.owner.made(entry, out)
         if str(func) not in IGNORED_OPS:
@@ -97,10 +97,15 @@ class _Recorder(TorchDispatchMode):
         return out
 
 
-def _written(func: Any) -> tuple[int, ...]:
-    """Flattened positions of the positional arguments ``func`` writes (schema alias info)."""
-    return tuple(k for k, arg in enumerate(func._schema.arguments)
-                 if arg.alias_info is not None and arg.alias_info.is_write and not arg.kwarg_only)
+def _written(func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """The tensor arguments ``func`` writes in place (its schema's alias info says which)."""
+    written = []
+    for k, arg in enumerate(func._schema.arguments):
+        if arg.alias_info is None or not arg.alias_info.is_write:
+            continue
+        value = kwargs.get(arg.name) if arg.kwarg_only or k >= len(args) else args[k]
+        written += [t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)]
+    return written
 
 
 class RangeSegment:
@@ -175,10 +180,11 @@ class RangeSegment:
             self._close_checked()
 
     # -- recording --------------------------------------------------------------------
-    def entry(self, run: Any, args: Any, *, writes: tuple[int, ...] = (), grad: bool = True,
+    def entry(self, run: Any, args: Any, *, written: Sequence[torch.Tensor] = (), grad: bool = True,
               is_call: bool = False) -> _Entry:
         leaves, spec = tree_flatten(args)
         refs = [self._ref(leaf) if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
+        writes = tuple(k for k, leaf in enumerate(leaves) if any(leaf is t for t in written))
         tape = self.tape
         entry = _Entry(run=run, leaves=refs, spec=spec, outputs=[], writes=writes, grad=grad, is_call=is_call,
                        drop=tape.dropped)

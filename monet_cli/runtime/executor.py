@@ -26,7 +26,6 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.checkpoint import (
     CheckpointPolicy,
-    _checkpoint_without_reentrant_generator,
     checkpoint,
     create_selective_checkpoint_contexts,
     noop_context_fn,
@@ -35,6 +34,7 @@ from torch.utils.checkpoint import (
 from monet_cli.core.schedule import Schedule, load_schedule
 from monet_cli.errors import CheckpointConflictError, FingerprintError
 from monet_cli.runtime.fingerprint import FirstForwardCheck, warn_if_untested_torch
+from monet_cli.runtime.frames import abandon_frame, close_frame, open_frame
 from monet_cli.runtime.meter import MachineryMarker
 from monet_cli.runtime.offload import install_offloads
 from monet_cli.runtime.ranges import RangeSegment
@@ -287,13 +287,7 @@ class _Chain:
             finally:
                 self.replaying -= 1
 
-        # The generator torch.utils.checkpoint itself drives around its function: its first
-        # step enters the frame's saved-tensor hooks, its second leaves them.
-        self.frame = _checkpoint_without_reentrant_generator(
-            recompute, True, self.context_fn, "default", False, True, *tensors,
-        )
-        with self.marker:
-            next(self.frame)
+        self.frame = open_frame(recompute, self.context_fn, self.marker, *tensors)
 
     def _check_handoff(self, k: int, args: tuple, kwargs: dict) -> None:
         handed = self.handed() if self.handed is not None else None
@@ -302,18 +296,12 @@ class _Chain:
 
     def _finish(self) -> None:
         frame, self.frame, self.handed = self.frame, None, None
-        with self.marker:
-            try:
-                next(frame)
-            except StopIteration:
-                return
-        raise AssertionError("internal error: checkpoint's frame did not close")
+        close_frame(frame, self.marker)
 
     def _close(self) -> None:
         frame, self.frame, self.handed = self.frame, None, None
         if frame is not None:
-            with self.marker:
-                frame.close()
+            abandon_frame(frame, self.marker)
 
     def _fail(self, what: str) -> None:
         self._close()

@@ -31,12 +31,13 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_unflatten
-from torch.utils.checkpoint import _checkpoint_without_reentrant_generator, noop_context_fn
+from torch.utils.checkpoint import noop_context_fn
 from torch.utils.weak import WeakTensorKeyDictionary
 
 from monet_cli.core.schedule import SegmentDecision
 from monet_cli.errors import FingerprintError
 from monet_cli.runtime.fingerprint import IGNORED_OPS
+from monet_cli.runtime.frames import abandon_frame, close_frame, open_frame
 from monet_cli.runtime.meter import MachineryMarker
 
 
@@ -221,11 +222,7 @@ class RangeSegment:
         with self.marker:
             # A tensor on the model's device tells checkpoint whose RNG to restore; it has no bytes.
             anchor = torch.empty(0, device=device)
-        self.frame = _checkpoint_without_reentrant_generator(
-            functools.partial(self._replay, tape), True, noop_context_fn, "default", False, True, anchor,
-        )
-        with self.marker:
-            next(self.frame)
+        self.frame = open_frame(functools.partial(self._replay, tape), noop_context_fn, self.marker, anchor)
         self.own_ops = 0
         self.mode = _Recorder(self)
         self.mode.__enter__()
@@ -240,12 +237,7 @@ class RangeSegment:
             self._fail(f"it ran {self.own_ops} of the module's own ops where the profile saw {self.decision.own_ops}")
 
         frame, self.frame = self.frame, None
-        with self.marker:
-            try:
-                next(frame)
-            except StopIteration:
-                return
-        raise AssertionError("internal error: checkpoint's frame did not close")
+        close_frame(frame, self.marker)
 
     def _stop_recording(self) -> None:
         if self.mode is not None:
@@ -259,8 +251,7 @@ class RangeSegment:
         self._stop_recording()
         frame, self.frame = self.frame, None
         if frame is not None:
-            with self.marker:
-                frame.close()
+            abandon_frame(frame, self.marker)
         self.tape, self.in_call = None, None
 
     def _fail(self, what: str) -> None:

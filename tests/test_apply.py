@@ -85,6 +85,12 @@ def test_fingerprint_mismatch_raises_on_first_forward():
                               model=model)
     other = build_workload(small_spec("resnet18", shape=(3, 32, 32), batch_size=3), CPU)
     monet_cli.apply(other.model, schedule)
+    # A first forward that raises leaves no dispatch mode behind, and the next one is checked.
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    with pytest.raises(RuntimeError):
+        other.model(torch.zeros(3, 5, 32, 32))
+    assert _get_current_dispatch_mode() is None
     with pytest.raises(FingerprintError, match="input shapes differ"):
         other.forward_loss()
 

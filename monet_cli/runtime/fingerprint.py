@@ -7,6 +7,7 @@ sharded model fingerprints like the unsharded one it was profiled as.
 
 from __future__ import annotations
 
+import sys
 import warnings
 from typing import Any
 
@@ -195,7 +196,9 @@ class FirstForwardCheck:
     def install(self) -> None:
         self._handles = [
             self.model.register_forward_pre_hook(self._start),
-            self.model.register_forward_hook(self._finish),
+            # always_call: a forward that raises must still take the check's modes off the
+            # stack, or they would stay on for everything the process runs after it.
+            self.model.register_forward_hook(self._finish, always_call=True),
         ]
 
     def _start(self, module: nn.Module, args: Any) -> None:
@@ -214,6 +217,8 @@ class FirstForwardCheck:
         sequence.__exit__(None, None, None)
         stack.__exit__(None, None, None)
         self._state = None
+        if sys.exc_info()[1] is not None:
+            return  # the forward raised (torch runs this hook inside its handler): check the next one
         self.done = True
         for handle in self._handles:
             handle.remove()

@@ -157,7 +157,8 @@ def test_loader_rejects_changed_types(resnet18_profile):
 
 def test_checkpoint_machinery_is_priced_per_saved_tensor(resnet18_profile):
     """Each tensor a frame saves costs a pack, a second pack in the recompute and an unpack:
-    the profile measures that apart from the fixed cost of a checkpointed call."""
+    the profile measures that apart from the fixed cost of a checkpointed call. An op range's
+    recorder costs a dispatch mode's time per op, once (in the forward)."""
     from dataclasses import replace
 
     from monet_cli.core.profile import Overheads
@@ -167,8 +168,13 @@ def test_checkpoint_machinery_is_priced_per_saved_tensor(resnet18_profile):
     assert measured.saved_tensor_ms > 0 and measured.segment_ms >= 0
     costs = Overheads(segment_ms=0.5, saved_tensor_ms=0.01, policy_op_ms=0.002)
     model = SegmentModel(replace(resnet18_profile, overheads=costs))
+    def recorder(call: int) -> float:
+        seg = model.segments[call]
+        return 0.002 * (seg.end_op - seg.first_op) if seg.range else 0.0
+
+    assert any(seg.range for seg in model.segments.values())
     for call, seg in model.segments.items():
-        assert model.overhead_ms(call) == pytest.approx(0.5 + 0.01 * len(seg.packs))
+        assert model.overhead_ms(call) == pytest.approx(0.5 + 0.01 * len(seg.packs) + recorder(call))
         kept = frozenset(seg.candidates[:1])
         if kept:
             policy = 0.002 * 2 * (seg.end_op - seg.first_op)
@@ -177,4 +183,4 @@ def test_checkpoint_machinery_is_priced_per_saved_tensor(resnet18_profile):
     frame = model.frames({outer: frozenset(), inner: frozenset()})[outer]
     own = len(model.segments[outer].packs) - len(model.segments[inner].packs)
     assert frame.saves == own + len(resnet18_profile.calls[inner].inputs)
-    assert model.overhead_ms(outer, frame=frame) == pytest.approx(0.5 + 0.01 * frame.saves)
+    assert model.overhead_ms(outer, frame=frame) == pytest.approx(0.5 + 0.01 * frame.saves + recorder(outer))

@@ -96,8 +96,7 @@ def test_a_variant_is_never_run_with_a_segment_that_moves_its_tensors(resnet18_p
 
 
 def test_the_solver_chooses_variants_jointly_and_only_when_allowed(chain_profile):
-    # Module-call segments only: op ranges reach as low as the variants do on this model.
-    model = SegmentModel(chain_profile, offer_ranges=False)
+    model = SegmentModel(chain_profile)
     every = frozenset(range(len(chain_profile.variants)))
     budget = simulate(chain_profile, {}, model=model, variants=every).peak_bytes
     assert budget < chain_profile.baseline.peak_bytes
@@ -181,11 +180,9 @@ def test_cli_solve_inspect_and_no_variants(chain_profile, tmp_path, monkeypatch)
     assert checked.exit_code == 0, checked.output
     assert {"name": "variant modules", "status": "passed"}.items() <= next(
         c for c in json.loads(checked.stdout)["checks"] if c["name"] == "variant modules").items()
-    # Without variants, op ranges (a segment over the model's own code) reach that budget too.
     plain = runner.invoke(app, ["solve", str(path), "--budget", budget, "--no-variants", "--workers", "1",
-                                "--json", "-o", "plain.yaml"])
-    assert plain.exit_code == 0 and json.loads(plain.stdout)["variants"] == 0, plain.output
-    assert json.loads(plain.stdout)["ranges"] >= 1
+                                "-o", "plain.yaml"])
+    assert plain.exit_code == 3 and "below the smallest peak" in plain.stderr, plain.output
     loose = runner.invoke(app, ["solve", str(path), "--budget", "100%", "--no-variants", "--json", "-o", "loose.yaml"])
     assert json.loads(loose.stdout)["variants"] == 0 and json.loads(loose.stdout)["tolerance"] is None
 

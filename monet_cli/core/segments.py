@@ -161,18 +161,19 @@ class SegmentModel:
         """The profile, with the offloads it offers among its variants (``core/offload.py``)."""
         profile = self.profile
         self.end = profile.num_positions
-        self.calls, self.members = _with_chains(profile) if like is None else (like.calls, like.members)
+        self.calls: tuple[ModuleCall, ...]
         """The profile's calls, then one record per sibling chain (type ``CHAIN``, named
-        'first..last'); ``members`` holds each chain's calls."""
+        'first..last'), then one per op range (type ``RANGE``, named 'module[first op:end op]')."""
+        self.members: dict[int, tuple[int, ...]]
+        """Each chain's calls."""
+        self.ranges: dict[int, OpRange]
         if like is not None:
-            self.calls, self.ranges = like.calls, like.ranges
-        elif offer_ranges:
-            self.calls, self.ranges = _with_ranges(profile, self.calls, self.members)
+            # A model of the profile rewritten for operator variants: a plan's call indices
+            # must name the same segments in both, so they are not derived again.
+            self.calls, self.members, self.ranges = like.calls, like.members, like.ranges
         else:
-            self.ranges = {}
-        """Then one record per op range (type ``RANGE``, named 'module[first op:end op]').
-        A model of the profile rewritten for operator variants takes them from the original
-        (``like``): a plan's call indices must name the same segments in both."""
+            self.calls, self.members = _with_chains(profile)
+            self.calls, self.ranges = _with_ranges(profile, self.calls, self.members) if offer_ranges else (self.calls, {})
         self._variant_models: dict[frozenset[int], SegmentModel] = {}
 
     def with_variants(self, chosen: frozenset[int]) -> SegmentModel:

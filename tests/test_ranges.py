@@ -15,7 +15,6 @@ import monet_cli
 from monet_cli.cli.app import app
 from monet_cli.core.plan import build_schedule
 from monet_cli.core.profile import save_profile
-from monet_cli.core.ranges import PARENT
 from monet_cli.core.schedule import SolverInfo, load_schedule, save_schedule
 from monet_cli.core.segments import SegmentModel
 from monet_cli.core.simulate import simulate
@@ -79,7 +78,7 @@ def test_ranges_cover_a_blocks_own_code(resnet18_profile):
     tail = model.ranges[ranges[f"layer2.0[{calls['layer2.0.bn2'].first_op}:{block.end_op}]"]]
     assert tail.first_op <= residual < tail.end_op and tail.own_ops == 1
     # It closes at the end of the block's last call (its ReLU, called three times), which is the block's end.
-    assert resnet18_profile.calls[tail.calls[-1]].fqn == "layer2.0.relu" and tail.close_at != PARENT
+    assert resnet18_profile.calls[tail.calls[-1]].fqn == "layer2.0.relu" and tail.closes_at_call
     assert set(tail.inputs) == {*calls["layer2.0.downsample"].inputs, *calls["layer2.0.bn2"].inputs}
     # From the downsample branch on, `out += identity` writes bn2's output, made before the
     # range, in place: a replay would add twice, so that range is not offered.

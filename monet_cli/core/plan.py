@@ -8,7 +8,7 @@ from typing import Any
 
 from monet_cli.core.offload import site_plan, with_offload_sites
 from monet_cli.core.profile import Profile, VariantRecord
-from monet_cli.core.ranges import PARENT, OpRange
+from monet_cli.core.ranges import OpRange
 from monet_cli.core.schedule import (
     EXECUTOR,
     SCHEDULE_KIND,
@@ -58,12 +58,9 @@ def decisions_of(model: SegmentModel, plan: Plan, variants: Variants = frozenset
 
 def _range_fields(profile: Profile, r: OpRange) -> dict[str, Any]:
     """What the runtime needs to find an op range: its module, its calls and where it opens and closes."""
-    calls = [profile.calls[c] for c in r.calls]
-    first = calls[0]
-    skip = sum(1 for c in profile.calls if c.parent == r.parent and c.fqn == first.fqn and c.first_op < first.first_op)
-    return {"within": profile.calls[r.parent].fqn, "calls": tuple(c.fqn for c in calls),
-            "opens_at_call": r.open_at != PARENT, "closes_at_call": r.close_at != PARENT,
-            "skip": skip if r.open_at != PARENT else 0, "own_ops": r.own_ops}
+    return {"within": profile.calls[r.parent].fqn, "calls": tuple(profile.calls[c].fqn for c in r.calls),
+            "opens_at_call": r.opens_at_call, "closes_at_call": r.closes_at_call, "skip": r.skip,
+            "own_ops": r.own_ops}
 
 
 def _offload_decision(profile: Profile, record: VariantRecord) -> OffloadDecision:

@@ -11,10 +11,11 @@ module's own ops as the recorded aten ops.
 A range either holds some of the module's own ops, or spans two or more calls of which one at
 least makes calls of its own (a block of a stage). Spans of leaf calls alone are left to
 sibling chains (``segments.sibling_chains``): in a ResNet's blocks they are four ranges in
-five, and the solver slows with the candidates far more than the floor gains from them. What a range reads from before it
-(external tensors) is held by its recompute until its backward is done, as checkpoint holds
-its arguments; so a range is never the inner segment of a nested pair, where an outer frame
-would be expected to drop those.
+five, and the solver slows with the candidates far more than the floor gains from them.
+
+What a range reads from before it (external tensors) is held by its recompute until its
+backward is done, as checkpoint holds its arguments; so a range is never the inner segment
+of a nested pair, where an outer frame would be expected to drop those.
 """
 
 from __future__ import annotations
@@ -28,11 +29,6 @@ MAX_RANGE_CALLS = 16
 """Modules whose forward makes more calls than this (a stack of layers) offer no ranges: the
 ranges grow with the square of the calls."""
 
-PARENT = -1
-"""``OpRange.open_at`` / ``close_at``: the frame opens at the start, or closes at the end, of
-the module's own forward."""
-
-
 @dataclass(frozen=True, kw_only=True, slots=True)
 class OpRange:
     parent: int
@@ -41,10 +37,12 @@ class OpRange:
     end_op: int
     calls: tuple[int, ...]
     """The calls the parent makes inside the range, in order."""
-    open_at: int
-    """Ordinal, among the calls the parent makes, of the call at whose start the frame opens (``PARENT``: its forward's start)."""
-    close_at: int
-    """Ordinal of the call at whose end the frame closes (``PARENT``: the end of its forward)."""
+    opens_at_call: bool
+    """The frame opens where the first call starts (else where the parent's forward starts)."""
+    closes_at_call: bool
+    """The frame closes where the last call ends (else where the parent's forward returns)."""
+    skip: int
+    """Calls of the first call's module the parent makes before the range opens at it."""
     own_ops: int
     """The parent's own ops inside the range (the recompute replays them)."""
     inputs: tuple[int, ...]
@@ -75,17 +73,17 @@ def _ranges_in(profile: Profile, parent: ModuleCall, calls: list[ModuleCall], he
                parents: set[int]) -> list[OpRange]:
     if any(call.reason and not call.reason.startswith("called ") for call in calls):
         return []  # a call whose re-run does not repeat it (or that writes its inputs) cannot be replayed
-    # Where a call starts or ends with the forward, its hook is the same boundary.
-    starts = [(k, c.first_op) for k, c in enumerate(calls)]
+    # (at a call?, position); where a call starts or ends with the forward, its hook is the same boundary.
+    starts = [(True, c.first_op) for c in calls]
     if calls[0].first_op != parent.first_op:
-        starts.insert(0, (PARENT, parent.first_op))
-    ends = [(k, c.end_op) for k, c in enumerate(calls)]
+        starts.insert(0, (False, parent.first_op))
+    ends = [(True, c.end_op) for c in calls]
     if calls[-1].end_op != parent.end_op:
-        ends.append((PARENT, parent.end_op))
+        ends.append((False, parent.end_op))
     inside_calls = {op for c in calls for op in range(c.first_op, c.end_op)}
     ranges = []
-    for open_at, first in starts:
-        for close_at, end in ends:
+    for opens_at_call, first in starts:
+        for closes_at_call, end in ends:
             if end <= first or (first, end) == (parent.first_op, parent.end_op):
                 continue
             members = tuple(c for c in calls if first <= c.first_op and c.end_op <= end)
@@ -94,9 +92,10 @@ def _ranges_in(profile: Profile, parent: ModuleCall, calls: list[ModuleCall], he
                 continue
             inputs = _external_inputs(profile, first, members, own, held)
             if inputs is not None and not _writes_before(profile, first, end):
+                skip = sum(1 for c in calls if c.fqn == members[0].fqn and c.first_op < first) if opens_at_call else 0
                 ranges.append(OpRange(parent=parent.index, first_op=first, end_op=end,
-                                      calls=tuple(c.index for c in members), open_at=open_at,
-                                      close_at=close_at, own_ops=len(own), inputs=inputs))
+                                      calls=tuple(c.index for c in members), opens_at_call=opens_at_call,
+                                      closes_at_call=closes_at_call, skip=skip, own_ops=len(own), inputs=inputs))
     return ranges
 
 

@@ -145,21 +145,16 @@ def _writes_before(profile: Profile, first: int, end: int) -> bool:
     return any(op.inplace_of is not None and op.inplace_of < first for op in profile.ops[first:end])
 
 
-def packs_inside(profile: Profile, r: OpRange, ancestors: list[tuple[int, ...]]) -> list[int]:
-    """The packs the range's frame sees: those made inside its calls, and the parent's own
-    saves between its first and last op. A parent-level save at the range's first position is
-    the op before's output unless the frame opened with the parent's forward; one at its end
-    position is the next op's input unless the frame closes with the parent's forward."""
+def packs_inside(profile: Profile, r: OpRange, by_call: dict[int, list[int]], parent_packs: list[int]) -> list[int]:
+    """The packs the range's frame sees: those made inside its calls (``by_call``: each call's
+    packs, its sub-calls' included), and the parent's own saves (``parent_packs``) between its
+    first and last op. A parent-level save at the range's first position is the op before's
+    output unless the frame opened with the parent's forward; one at its end position is the
+    next op's input unless the frame closes with the parent's forward."""
     parent = profile.calls[r.parent]
-    calls = set(r.calls)
-    inside = []
-    for index, pack in enumerate(profile.packs):
-        if pack.call is None:
-            continue
-        if pack.call == r.parent:
-            if (r.first_op < pack.pos < r.end_op or (pack.pos == r.first_op == parent.first_op)
-                    or (pack.pos == r.end_op == parent.end_op)):
-                inside.append(index)
-        elif calls.intersection(ancestors[pack.call]):
+    inside = [p for call in r.calls for p in by_call.get(call, ())]
+    for index in parent_packs:
+        pos = profile.packs[index].pos
+        if r.first_op < pos < r.end_op or pos == r.first_op == parent.first_op or pos == r.end_op == parent.end_op:
             inside.append(index)
-    return inside
+    return sorted(inside)

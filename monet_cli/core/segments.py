@@ -247,13 +247,15 @@ class SegmentModel:
     def packs_by_call(self) -> dict[int, list[int]]:
         """Packs made inside each call, including its sub-calls."""
         by_call: dict[int, list[int]] = defaultdict(list)
+        made_in: dict[int, list[int]] = defaultdict(list)  # packs made in the call itself, not in a sub-call
         for index, pack in enumerate(self.profile.packs):
             if pack.call is not None:
+                made_in[pack.call].append(index)
                 for call in self.ancestors[pack.call]:
                     if call not in self.ranges:
                         by_call[call].append(index)
         for index, r in self.ranges.items():
-            by_call[index] = packs_inside(self.profile, r, self.ancestors)
+            by_call[index] = packs_inside(self.profile, r, by_call, made_in[r.parent])
         return by_call
 
     @cached_property

@@ -26,9 +26,16 @@ def print_json(data: dict[str, Any]) -> None:
     sys.stdout.flush()
 
 
+def _candidates(profile: Profile) -> tuple[int, int, int]:
+    """How many segments a profile offers: checkpointable module calls, chains, op ranges."""
+    chains = sibling_chains(profile)
+    return sum(1 for c in profile.calls if c.checkpointable), len(chains), len(op_ranges(profile, chains))
+
+
 def profile_summary(profile: Profile, path: str) -> dict[str, Any]:
     """The machine-readable result of ``monet profile``."""
     mem = profile.memory
+    calls, chains, ranges = _candidates(profile)
     return {
         "profile": path,
         "model": profile.model.name,
@@ -36,9 +43,9 @@ def profile_summary(profile: Profile, path: str) -> dict[str, Any]:
         "batch_size": profile.model.batch_size,
         "forward_ops": len(profile.ops),
         "backward_ops": len(profile.backward),
-        "segments": sum(1 for c in profile.calls if c.checkpointable),
-        "chains": len(sibling_chains(profile)),
-        "ranges": len(op_ranges(profile, sibling_chains(profile))),
+        "segments": calls,
+        "chains": chains,
+        "ranges": ranges,
         "baseline_peak_bytes": profile.baseline.peak_bytes,
         "step_ms": profile.baseline.step_ms,
         "param_bytes": mem.param_bytes,
@@ -71,6 +78,7 @@ def rerun_note(profile: Profile) -> str | None:
 
 def profile_table(profile: Profile, path: str) -> Table:
     mem = profile.memory
+    calls, chains, ranges = _candidates(profile)
     table = Table(title=f"monet profile: {profile.model.name}", show_header=False, title_justify="left")
     table.add_column("what", style="bold")
     table.add_column("value")
@@ -80,9 +88,7 @@ def profile_table(profile: Profile, path: str) -> Table:
         ("batch", f"{profile.model.batch_size} x {describe_inputs([asdict(i) for i in profile.model.inputs])}"),
         ("precision", profile.model.precision),
         ("ops", f"{len(profile.ops)} forward, {len(profile.backward)} backward+optimizer"),
-        ("segments", f"{sum(1 for c in profile.calls if c.checkpointable)} checkpointable module calls, "
-                     f"{len(sibling_chains(profile))} chains of sibling calls, "
-                     f"{len(op_ranges(profile, sibling_chains(profile)))} op ranges"),
+        ("segments", f"{calls} checkpointable module calls, {chains} chains of sibling calls, {ranges} op ranges"),
         ("baseline peak", format_bytes(profile.baseline.peak_bytes) + f"  ({profile.baseline.meter})"),
         ("simulated peak", _simulated_baseline(profile)),
         ("step time", f"{profile.baseline.step_ms:.1f} ms (median of {profile.baseline.steps})"),

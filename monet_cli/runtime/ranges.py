@@ -315,7 +315,10 @@ def _dropped(tape: _Tape, position: int, _ref: weakref.ref) -> None:
     tape.dropped.append(position)
 
 
-def _no_autocast() -> Any:
+def _no_autocast() -> contextlib.ExitStack:
     """Own ops replay as recorded: autocast already chose their dtypes (its casts are on the tape)."""
-    return torch.autocast("cuda", enabled=False) if torch.is_autocast_enabled("cuda") else (
-        torch.autocast("cpu", enabled=False) if torch.is_autocast_enabled("cpu") else contextlib.nullcontext())
+    stack = contextlib.ExitStack()
+    for device in ("cpu", "cuda"):
+        if torch.is_autocast_enabled(device):
+            stack.enter_context(torch.autocast(device, enabled=False))
+    return stack

@@ -83,6 +83,7 @@ def test_ddp_runs_op_ranges(tmp_path: Path):
     assert all(r["equal"] for r in reports), reports
 
 
+@pytest.mark.slow
 def test_fsdp2_runs_op_ranges_in_sharded_layers(tmp_path: Path):
     """In each LLaMA decoder layer (an FSDP2 unit), the op range with the most of the layer's own
     code: its replay calls the layer's projections while FSDP2 has their parameters gathered."""

@@ -168,6 +168,7 @@ def test_checkpoint_machinery_is_priced_per_saved_tensor(resnet18_profile):
     assert measured.saved_tensor_ms > 0 and measured.segment_ms >= 0
     costs = Overheads(segment_ms=0.5, saved_tensor_ms=0.01, policy_op_ms=0.002)
     model = SegmentModel(replace(resnet18_profile, overheads=costs))
+
     def recorder(call: int) -> float:
         seg = model.segments[call]
         return 0.002 * (seg.end_op - seg.first_op) if seg.range else 0.0

@@ -2,7 +2,8 @@
 
 For each workload: the unmodified step, PyTorch checkpointing of every block and of every
 k-th block, torch.compile's activation_memory_budget (transformers), and monet schedules
-from 90% of the baseline peak down to the smallest feasible budget in 10% steps. Eager
+from 90% of the baseline peak down to the smallest feasible budget in 10% steps, plus one
+at the measured peak of each checkpoint-every-k method (the same memory, to compare time). Eager
 methods are timed interleaved (each repeat runs every method once, in rotating order);
 compiled ones in a block of their own after a dynamo reset. Results go to
 bench/results/<workload>-<device>.json; ``bench/report.py`` turns them into
@@ -64,32 +65,52 @@ def log(message: str) -> None:
     print(f"[bench {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
-def monet_points(profile: Profile, fractions: list[int], time_limit: float, workers: int) -> list[tuple[Any, dict]]:
-    """Solve each budget (percent of the baseline peak) until one is infeasible."""
+def monet_points(profile: Profile, fractions: list[int], at_peaks: list[tuple[str, int]], time_limit: float,
+                 workers: int) -> list[tuple[Any, dict]]:
+    """Solve each budget (percent of the baseline peak) until one is infeasible, then one budget
+    at each of ``at_peaks`` (a method's measured peak: monet against it at equal memory)."""
     planner = Planner(SegmentModel(profile))
     points = []
     budgets = [(f"{pct}%", profile.baseline.peak_bytes * pct // 100) for pct in fractions]
+    hint = None
     while budgets:
         spec, budget = budgets.pop(0)
-        schedule, outcome = solve_schedule(planner, budget, spec, time_limit_s=time_limit, workers=workers, seed=0)
-        log(f"monet {spec}: {outcome.status} in {outcome.time_s:.2f}s")
-        if schedule is None:
+        point = _solve_point(planner, spec, budget, time_limit, workers, hint)
+        if point is None:
             if spec != "min":  # end the curve at the smallest peak any schedule reaches
-                lowest = planner.minimum_peak(time_limit_s=time_limit, workers=workers, seed=0).peak_bytes
-                if not points or lowest < points[-1][1]["budget_bytes"]:
-                    budgets = [("min", lowest)]
+                lowest = planner.minimum_peak(time_limit_s=time_limit, workers=workers, seed=0)
+                if not points or lowest.peak_bytes < points[-1][1]["budget_bytes"]:
+                    budgets, hint = [("min", lowest.peak_bytes)], lowest.plan
             continue
-        points.append((schedule, {
-            "budget_bytes": budget, "predicted_peak_bytes": schedule.predicted.peak_bytes,
-            "predicted_overhead": schedule.predicted.overhead, "solve_time_s": outcome.time_s,
-            "status": outcome.status, "gap": outcome.gap, "segments": len(schedule.segments),
-            "kept_ops": len(schedule.keeps),
-        }))
+        points.append(point)
+    points += [point for spec, budget in at_peaks
+               if (point := _solve_point(planner, spec, budget, time_limit, workers)) is not None]
     return points
+
+
+def _solve_point(planner: Planner, spec: str, budget: int, time_limit: float, workers: int,
+                 hint: dict | None = None) -> tuple[Any, dict] | None:
+    schedule, outcome = solve_schedule(planner, budget, spec, time_limit_s=time_limit, workers=workers, seed=0,
+                                       hint=hint)
+    log(f"monet {spec}: {outcome.status} in {outcome.time_s:.2f}s")
+    if schedule is None:
+        return None
+    return schedule, {
+        "budget_bytes": budget, "predicted_peak_bytes": schedule.predicted.peak_bytes,
+        "predicted_overhead": schedule.predicted.overhead, "solve_time_s": outcome.time_s,
+        "status": outcome.status, "gap": outcome.gap, "segments": len(schedule.segments),
+        "kept_ops": len(schedule.keeps),
+    }
 
 
 def live_peak(method: M.Method) -> int:
     return method.workload.measure_peak().peak_bytes
+
+
+def settled_peak(method: M.Method) -> int:
+    """The peak of a step after a first one (the optimizer's state exists), as ``measure_eager`` takes it."""
+    method.workload.timed_step(seed=0)
+    return live_peak(method)
 
 
 def measure_eager(methods: list[M.Method], repeats: int) -> dict[str, dict[str, Any]]:
@@ -131,20 +152,21 @@ def measure_compiled(spec, device, budgets: list[float], repeats: int, baseline:
 
 
 def run_workload(w: Workload, device: torch.device, *, repeats: int, fractions: list[int], time_limit: float,
-                 workers: int, compile_budgets: list[float], steps: int) -> dict[str, Any]:
+                 workers: int, compile_budgets: list[float], steps: int, at_block_peaks: bool) -> dict[str, Any]:
     spec = resolve_model_spec(w.model, w.overrides, configs_dir=ROOT / "configs")
     log(f"{w.name}: profiling")
     profile = profile_model(spec, device, steps=steps)
     fixed = fixed_bytes(profile)
-    log(f"{w.name}: solving")
-    solved = monet_points(profile, fractions, time_limit, workers)
-    log(f"{w.name}: building methods")
     eager = [M.baseline(spec, device)]
     for k in (1, 2, 3):
         try:
             eager.append(M.checkpoint_every(spec, device, w.block_types, k))
         except ValueError as err:
             log(str(err))
+    log(f"{w.name}: solving")
+    at_peaks = [(f"at {m.name}", settled_peak(m)) for m in eager[1:]] if at_block_peaks else []
+    solved = monet_points(profile, fractions, at_peaks, time_limit, workers)
+    log(f"{w.name}: building methods")
     eager += [M.monet(spec, device, schedule, info) for schedule, info in solved]
     log(f"{w.name}: measuring {len(eager)} eager methods x {repeats} repeats")
     measured = measure_eager(eager, repeats)
@@ -203,11 +225,12 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(max(1, torch.get_num_threads()))
     args.out.mkdir(parents=True, exist_ok=True)
     if args.smoke:
-        jobs = [(SMOKE, dict(repeats=1, fractions=[90], time_limit=10.0, workers=1, compile_budgets=[], steps=1))]
+        jobs = [(SMOKE, dict(repeats=1, fractions=[90], time_limit=10.0, workers=1, compile_budgets=[], steps=1,
+                                at_block_peaks=False))]
     else:
         jobs = [(WORKLOADS[name], dict(repeats=args.repeats, fractions=list(range(90, 0, -10)),
                                         time_limit=args.time_limit, workers=args.workers,
-                                        compile_budgets=[0.5, 0.1], steps=3))
+                                        compile_budgets=[0.5, 0.1], steps=3, at_block_peaks=True))
                 for name in args.workloads.split(",")]
     for workload, options in jobs:
         write_result(args.out / f"{workload.name}-{device.type}.json", run_workload(workload, device, **options))

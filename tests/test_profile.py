@@ -158,20 +158,23 @@ def test_loader_rejects_changed_types(resnet18_profile):
 def test_checkpoint_machinery_is_priced_per_saved_tensor(resnet18_profile):
     """Each tensor a frame saves costs a pack, a second pack in the recompute and an unpack:
     the profile measures that apart from the fixed cost of a checkpointed call. An op range's
-    recorder costs a dispatch mode's time per op, once (in the forward)."""
+    recorder costs a dispatch mode's time per op its calls run, and each own op the measured
+    cost of recording and replaying it."""
     from dataclasses import replace
 
     from monet_cli.core.profile import Overheads
     from monet_cli.core.segments import SegmentModel
 
     measured = resnet18_profile.overheads
-    assert measured.saved_tensor_ms > 0 and measured.segment_ms >= 0
-    costs = Overheads(segment_ms=0.5, saved_tensor_ms=0.01, policy_op_ms=0.002)
+    assert measured.saved_tensor_ms > 0 and measured.segment_ms >= 0 and measured.range_op_ms > 0
+    costs = Overheads(segment_ms=0.5, saved_tensor_ms=0.01, policy_op_ms=0.002, range_op_ms=0.03)
     model = SegmentModel(replace(resnet18_profile, overheads=costs))
 
     def recorder(call: int) -> float:
         seg = model.segments[call]
-        return 0.002 * (seg.end_op - seg.first_op) if seg.range else 0.0
+        if not seg.range:
+            return 0.0
+        return 0.002 * (seg.end_op - seg.first_op - seg.range.own_ops) + 0.03 * seg.range.own_ops
 
     assert any(seg.range for seg in model.segments.values())
     for call, seg in model.segments.items():

@@ -6,8 +6,10 @@ checkpointed chain (its time minus the plain step and minus a forward that build
 graph, which is what the recompute re-runs) grows with the tensors the frame saves: a
 short and a long chain give the fixed cost of one checkpointed call and the cost of each
 saved tensor (packed in the forward and again in the recompute, then unpacked). The
-selective policy's dispatch modes add a cost per op. Small on a large model, but a real
-share of the step on a small fast one.
+selective policy's dispatch modes add a cost per op. The same chain as a module's forward
+under an op range (``runtime/ranges.py``) gives the cost of each of a range's own ops: written
+to the tape in the forward, replayed from it in the recompute, both in Python. Small on a
+large model, but a real share of the step on a small fast one.
 """
 
 from __future__ import annotations
@@ -18,13 +20,19 @@ import time
 from collections.abc import Callable
 
 import torch
+from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from monet_cli.core.profile import Overheads
+from monet_cli.core.schedule import SegmentDecision
+from monet_cli.runtime.meter import MachineryMarker
+from monet_cli.runtime.ranges import RangeSegment
 
 SHORT, LONG = 4, 44
 """Chain lengths; tanh saves its output, so each op adds one saved tensor."""
 REPS = 100
+RANGE_REPS = 20
+"""The op range's chain runs its ops in Python twice (tape and replay): fewer repetitions."""
 ROUNDS = 5
 
 
@@ -37,28 +45,48 @@ def _chain(length: int) -> Callable[[torch.Tensor], torch.Tensor]:
     return run
 
 
+class _OwnOps(nn.Module):
+    """The chain as a module's own code: an op range over its whole forward records every op."""
+
+    def __init__(self, length: int) -> None:
+        super().__init__()
+        self.run = _chain(length)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.run(x)
+
+
+def _ranged(length: int) -> nn.Module:
+    module = _OwnOps(length)
+    decision = SegmentDecision(module="<chain>", call=0, first_op=0, end_op=length, recompute_ms=0.0, within="",
+                               own_ops=length)
+    RangeSegment(decision, module, [], MachineryMarker()).install()
+    return module
+
+
 def _recompute_all(ctx, op, *args, **kwargs):
     return CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def _median_ms(step: Callable[[], None], device: torch.device) -> float:
+def _median_ms(step: Callable[[], None], device: torch.device, reps: int = REPS) -> float:
     rounds = []
     for _ in range(ROUNDS):
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         start = time.perf_counter()
-        for _ in range(REPS):
+        for _ in range(reps):
             step()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        rounds.append((time.perf_counter() - start) / REPS * 1000.0)
+        rounds.append((time.perf_counter() - start) / reps * 1000.0)
     return statistics.median(rounds)
 
 
-def _machinery_ms(length: int, x: torch.Tensor, device: torch.device, *, policy: bool) -> tuple[float, float]:
-    """(checkpoint machinery, selective policy on top) of one checkpointed chain, in ms; the
-    policy is timed only when asked (0 otherwise)."""
+def _machinery_ms(length: int, x: torch.Tensor, device: torch.device, *, policy: bool) -> tuple[float, float, float]:
+    """(checkpoint machinery, selective policy on top, op range machinery) of one checkpointed
+    chain, in ms; the policy and the range are timed only when asked (0 otherwise)."""
     chain = _chain(length)
+    ranged = _ranged(length)
 
     def plain() -> None:
         chain(x).sum().backward()
@@ -73,21 +101,28 @@ def _machinery_ms(length: int, x: torch.Tensor, device: torch.device, *, policy:
         context = lambda: create_selective_checkpoint_contexts(_recompute_all)  # noqa: E731
         checkpoint(chain, x, use_reentrant=False, context_fn=context).sum().backward()
 
-    for fn in (plain, graph_forward, checkpointed, *((selective,) if policy else ())):  # warm-up
+    def as_range() -> None:
+        ranged(x).sum().backward()
+
+    extra = (selective, as_range) if policy else ()
+    for fn in (plain, graph_forward, checkpointed, *extra):  # warm-up
         fn()
     t_plain, t_forward, t_checkpoint = (_median_ms(fn, device) for fn in (plain, graph_forward, checkpointed))
-    t_selective = _median_ms(selective, device) if policy else t_checkpoint
-    return t_checkpoint - t_plain - t_forward, t_selective - t_checkpoint
+    if not policy:
+        return t_checkpoint - t_plain - t_forward, 0.0, 0.0
+    t_selective, t_range = _median_ms(selective, device), _median_ms(as_range, device, RANGE_REPS)
+    return t_checkpoint - t_plain - t_forward, t_selective - t_checkpoint, t_range - t_checkpoint
 
 
 @functools.cache  # a property of the device and torch, not of the model: measured once per process
 def measure_overheads(device: torch.device) -> Overheads:
     x = torch.randn(8, device=device, requires_grad=True)
-    short, _ = _machinery_ms(SHORT, x, device, policy=False)
-    long, policy = _machinery_ms(LONG, x, device, policy=True)
+    short, _, _ = _machinery_ms(SHORT, x, device, policy=False)
+    long, policy, ranged = _machinery_ms(LONG, x, device, policy=True)
     saved_tensor_ms = max(0.0, (long - short) / (LONG - SHORT))
     return Overheads(
         segment_ms=round(max(0.0, short - SHORT * saved_tensor_ms), 5),
         saved_tensor_ms=round(saved_tensor_ms, 6),
         policy_op_ms=round(max(0.0, policy / (2 * LONG)), 6),  # forward and recompute
+        range_op_ms=round(max(0.0, ranged / LONG), 6),  # beyond what plain checkpoint costs per op
     )

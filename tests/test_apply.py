@@ -117,6 +117,17 @@ def test_batchnorm_state_stays_equal_over_steps():
     assert momenta == {0.1}
 
 
+def test_run_model_runs_the_model_it_is_given_even_an_empty_container():
+    """``run_model(model)`` runs ``model``, never the workload's own in its place: an empty
+    Sequential (or a compiled model forwarding ``len``) is a model, whatever its truth value."""
+    from monet_cli.workload.step import build_workload
+
+    workload = build_workload(small_spec("tests.models_for_tests:two_branch_mlp", shape=(16,), batch_size=4), CPU)
+    identity = torch.nn.Sequential()
+    assert len(identity) == 0
+    assert workload.run_model(identity) is workload.inputs[0]
+
+
 def test_precision_is_part_of_the_fingerprint():
     """A schedule profiled under bf16 autocast refuses an fp32 forward, and holds under bf16."""
     import monet_cli

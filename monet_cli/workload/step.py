@@ -228,7 +228,7 @@ class Workload:
         """One forward of ``model`` (default: this workload's) on the inputs, under the precision's autocast."""
         args, kwargs = self.call_args()
         with self.autocast():
-            return (model or self.model)(*args, **kwargs)
+            return (self.model if model is None else model)(*args, **kwargs)
 
     def forward_loss(self) -> torch.Tensor:
         args, kwargs = self.call_args()

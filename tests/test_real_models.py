@@ -1,10 +1,11 @@
 """The real-model matrix holds monet's promises on every case, in full and mixed precision.
 
 Per case (tests/real_models.py): a schedule can go below the baseline; at 60% of the baseline
-(or halfway to the smallest peak) and just above the smallest peak the schedule
-checkpoints something, the measured peak stays within the budget, the prediction is within
-2% of it, and gradients, parameters after the optimizer step and buffers equal the
-unmodified model's exactly. Plus the two reproductions of the real-models issue, at their size.
+(or halfway to the smallest peak) the schedule changes something (it checkpoints, or runs
+operator variants, which alone may be the cheapest way to 60%), just above the smallest peak
+it checkpoints something, and at both the measured peak stays within the budget, the
+prediction is within 2% of it, and gradients, parameters after the optimizer step and buffers
+equal the unmodified model's (within the tolerance a variant states). Plus the two reproductions of the real-models issue, at their size.
 """
 
 from __future__ import annotations
@@ -42,8 +43,9 @@ def test_case_holds_every_promise(name: str, precision: str):
     assert result.floor_bytes < result.profile.baseline.peak_bytes, f"{name}: no schedule lowers the peak"
     for run in result.runs:
         label = f"{name} {precision} at {run.label}"
-        assert run.schedule.segments, f"{label}: the schedule checkpoints nothing"
+        assert run.schedule.segments or run.schedule.variants, f"{label}: the schedule changes nothing"
         assert_promises_hold(run.report, label)
+    assert result.runs[-1].schedule.segments, f"{name} {precision} just above the smallest peak: nothing checkpointed"
 
 
 @pytest.mark.parametrize("factory", ["hf_gpt2", "hf_llama"])

@@ -82,11 +82,10 @@ def _median_ms(step: Callable[[], None], device: torch.device, reps: int = REPS)
     return statistics.median(rounds)
 
 
-def _machinery_ms(length: int, x: torch.Tensor, device: torch.device, *, policy: bool) -> tuple[float, float, float]:
-    """(checkpoint machinery, selective policy on top, op range machinery) of one checkpointed
-    chain, in ms; the policy and the range are timed only when asked (0 otherwise)."""
+def _checkpoint_ms(length: int, x: torch.Tensor, device: torch.device) -> tuple[float, float]:
+    """(step time, machinery) of the chain under plain checkpoint, in ms: the machinery is that
+    step minus the plain step and minus a forward that builds the graph (what the recompute re-runs)."""
     chain = _chain(length)
-    ranged = _ranged(length)
 
     def plain() -> None:
         chain(x).sum().backward()
@@ -97,6 +96,17 @@ def _machinery_ms(length: int, x: torch.Tensor, device: torch.device, *, policy:
     def checkpointed() -> None:
         checkpoint(chain, x, use_reentrant=False).sum().backward()
 
+    for fn in (plain, graph_forward, checkpointed):  # warm-up
+        fn()
+    t_plain, t_forward, t_checkpoint = (_median_ms(fn, device) for fn in (plain, graph_forward, checkpointed))
+    return t_checkpoint, t_checkpoint - t_plain - t_forward
+
+
+def _on_top_ms(length: int, x: torch.Tensor, device: torch.device, t_checkpoint: float) -> tuple[float, float]:
+    """(selective policy, op range) on top of plain checkpoint of the same chain (``t_checkpoint``), in ms."""
+    chain = _chain(length)
+    ranged = _ranged(length)
+
     def selective() -> None:
         context = lambda: create_selective_checkpoint_contexts(_recompute_all)  # noqa: E731
         checkpoint(chain, x, use_reentrant=False, context_fn=context).sum().backward()
@@ -104,21 +114,17 @@ def _machinery_ms(length: int, x: torch.Tensor, device: torch.device, *, policy:
     def as_range() -> None:
         ranged(x).sum().backward()
 
-    extra = (selective, as_range) if policy else ()
-    for fn in (plain, graph_forward, checkpointed, *extra):  # warm-up
+    for fn in (selective, as_range):  # warm-up
         fn()
-    t_plain, t_forward, t_checkpoint = (_median_ms(fn, device) for fn in (plain, graph_forward, checkpointed))
-    if not policy:
-        return t_checkpoint - t_plain - t_forward, 0.0, 0.0
-    t_selective, t_range = _median_ms(selective, device), _median_ms(as_range, device, RANGE_REPS)
-    return t_checkpoint - t_plain - t_forward, t_selective - t_checkpoint, t_range - t_checkpoint
+    return _median_ms(selective, device) - t_checkpoint, _median_ms(as_range, device, RANGE_REPS) - t_checkpoint
 
 
 @functools.cache  # a property of the device and torch, not of the model: measured once per process
 def measure_overheads(device: torch.device) -> Overheads:
     x = torch.randn(8, device=device, requires_grad=True)
-    short, _, _ = _machinery_ms(SHORT, x, device, policy=False)
-    long, policy, ranged = _machinery_ms(LONG, x, device, policy=True)
+    _, short = _checkpoint_ms(SHORT, x, device)
+    t_long, long = _checkpoint_ms(LONG, x, device)
+    policy, ranged = _on_top_ms(LONG, x, device, t_long)
     saved_tensor_ms = max(0.0, (long - short) / (LONG - SHORT))
     return Overheads(
         segment_ms=round(max(0.0, short - SHORT * saved_tensor_ms), 5),

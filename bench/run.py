@@ -35,6 +35,7 @@ from bench import methods as M  # noqa: E402
 from monet_cli.core.plan import solve_schedule  # noqa: E402
 from monet_cli.core.profile import InputSpec, Profile  # noqa: E402
 from monet_cli.core.segments import SegmentModel  # noqa: E402
+from monet_cli.core.simulate import Plan  # noqa: E402
 from monet_cli.core.solver.search import Planner  # noqa: E402
 from monet_cli.profiler.run import env_info, profile_model  # noqa: E402
 from monet_cli.workload.resolve import Overrides, resolve_model_spec  # noqa: E402
@@ -89,7 +90,7 @@ def monet_points(profile: Profile, fractions: list[int], at_peaks: list[tuple[st
 
 
 def _solve_point(planner: Planner, spec: str, budget: int, time_limit: float, workers: int,
-                 hint: dict | None = None) -> tuple[Any, dict] | None:
+                 hint: Plan | None = None) -> tuple[Any, dict] | None:
     schedule, outcome = solve_schedule(planner, budget, spec, time_limit_s=time_limit, workers=workers, seed=0,
                                        hint=hint)
     log(f"monet {spec}: {outcome.status} in {outcome.time_s:.2f}s")

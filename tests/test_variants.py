@@ -72,12 +72,30 @@ def test_the_rewritten_profile_predicts_the_measured_peak_and_the_tolerance_hold
     assert 0 < check.max_relative_diff < schedule.tolerance()[1]
 
 
+def test_the_step_peaking_in_a_variant_backward_is_predicted_to_the_byte():
+    """Wide channels on a 2x2 image: the step peaks while a variant BatchNorm's backward runs,
+    where the rebuilt input and the zero mean it passes PyTorch's kernel are live (the per-channel
+    tensors of that backward were once missed: 16 B a channel on mobilenet_v2)."""
+    profile = profile_model(small_spec("tests.models_for_tests:bn_chain_net", shape=(3, 2, 2), batch_size=4,
+                                       model_kwargs={"width": 64}), CPU, steps=1)
+    for chosen in ({0}, {1}, {0, 1}):
+        schedule = build_schedule(profile, {}, budget_bytes=2 * profile.baseline.peak_bytes, budget_spec="x",
+                                  solver=INFO, profile_sha256="", variants=frozenset(chosen))
+        report = run_apply(schedule, CPU, steps=1, check=True)
+        assert report.measured_peak_bytes == schedule.predicted.peak_bytes, chosen
+        assert report.check.ok, chosen
+    # The first site's variant peaks above PyTorch here: a case for the solver to leave alone.
+    assert schedule.predicted.peak_bytes > profile.baseline.peak_bytes
+
+
 def test_variant_rows_add_up_exactly_in_the_linear_model(resnet18_profile):
     model = SegmentModel(resnet18_profile)
     offered = tuple(range(len(resnet18_profile.variants)))
-    # bn1 -> relu -> conv2 in each of the 8 BasicBlocks, less any whose weight the profiled
-    # training steps brought near zero (batch 2: layer3's statistics cover 8 values).
-    assert 6 <= len(offered) <= 8
+    # The stem's max-pooling, and bn1 -> relu -> conv2 in each of the 8 BasicBlocks, less any
+    # whose weight the profiled training steps brought near zero (batch 2: layer3's statistics
+    # cover 8 values; whether one crosses depends on the build's rounding).
+    impls = [v.impl for v in resnet18_profile.variants]
+    assert impls.count("maxpool_offsets") == 1 and 6 <= impls.count("bn_output") <= 8
     linear = LinearMemory(model, variants=offered)
     active = linear.active_mask({})  # recompute bursts of unchosen segments do not happen
     for chosen in ({0}, {3, 5}, set(offered)):

@@ -158,6 +158,13 @@ def _largest_output(profile: Profile, op: int) -> int | None:
     return max(made, key=lambda s: s.bytes).id if made else None
 
 
+def _statistic_bytes(profile: Profile, bn: int) -> int:
+    """Bytes of one per-channel statistic the BatchNorm op ``bn`` returns (its batch mean): the
+    second largest of its outputs, after the normalised tensor."""
+    made = sorted((s.bytes for s in profile.storages if s.producer == bn and s.kind == "activation"), reverse=True)
+    return made[1] if len(made) > 1 else 0
+
+
 def _indices(profile: Profile, owner: list[int | None], pool: int) -> int | None:
     """The pooling's indices: the output its own node keeps (the pooled values are not kept by it)."""
     made = {s.id for s in profile.storages if s.producer == pool and s.kind == "activation"}
@@ -193,8 +200,10 @@ def _change(profile: Profile, owner: list[int | None], record: VariantRecord) ->
         bn_call, act_call, conv_calls = calls[0], calls[1], calls[2:]
         moves = {(c, bn_call): y, (r, act_call): y, **{(r, call): y for call in conv_calls}}
         storages = profile.storages
-        # The BatchNorm rebuilds its normalised input, each convolution its activation.
-        temporaries = ((c, bn_call, storages[c].bytes), *((r, call, storages[r].bytes) for call in conv_calls))
+        # The BatchNorm rebuilds its centred input and passes a zero mean of one statistic's
+        # size; each convolution rebuilds its activation.
+        rebuilt = storages[c].bytes + _statistic_bytes(profile, record.ops[0])
+        temporaries = ((c, bn_call, rebuilt), *((r, call, storages[r].bytes) for call in conv_calls))
         return _Change(moves=moves, new=(), temporaries=temporaries)
     indices, *inputs = changed_storages(profile, record, owner)
     pool, call = record.op, calls[0]

@@ -53,25 +53,33 @@ class _BatchNormKeepsOutput(torch.autograd.Function):
         # The same kernel choice as F.batch_norm (native on CPU, cuDNN where it applies).
         out, save_mean, save_invstd, _, _ = torch.ops.aten._batch_norm_impl_index(
             x, weight, bias, running_mean, running_var, True, momentum, eps, torch.backends.cudnn.enabled)
+        # The batch mean is not read in backward, but PyTorch's node keeps it too: the profile's
+        # packs stay what this node keeps (a few bytes per channel).
         ctx.save_for_backward(out, weight, bias, save_mean, save_invstd)
         ctx.eps = eps
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        out, weight, bias, mean, invstd = ctx.saved_tensors
-        shape = (1, -1) + (1,) * (out.dim() - 2)
-        # PyTorch's backward reads the input only as the normalised x_hat = (x - mean) * invstd,
-        # which is (y - b) / w: rebuilt in one pass, and given to it with mean 0, invstd 1 and
-        # the weight w * invstd, its gradients are those of the input (the weight's and the
-        # bias's do not depend on the weight passed).
-        scale = weight.reciprocal()
-        x_hat = torch.addcmul((-bias * scale).view(shape), out, scale.view(shape))
+        out, weight, bias, _mean, invstd = ctx.saved_tensors
+        centred = _centred_input(out, weight, bias, invstd)
         mask = [ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]]
+        # PyTorch's backward reads the input only as (x - mean) * invstd: given the centred
+        # input and a zero mean, its own kernel computes every gradient. Beside the rebuilt
+        # input, this zero statistic is the one tensor the variant adds to PyTorch's backward
+        # (``monet_cli/core/variants.py`` counts both).
         gx, gw, gb = torch.ops.aten.native_batch_norm_backward(
-            grad.contiguous(), x_hat, weight * invstd, None, None, torch.zeros_like(mean), torch.ones_like(invstd),
-            True, ctx.eps, mask)
+            grad.contiguous(), centred, weight, None, None, torch.zeros_like(invstd), invstd, True, ctx.eps, mask)
         return gx, gw, gb, None, None, None, None
+
+
+def _centred_input(out: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, invstd: torch.Tensor) -> torch.Tensor:
+    """x - mean = (y - b) / (w * invstd), in one pass over y. Its two per-channel factors die
+    on return, before the backward kernel allocates the gradients."""
+    shape = (1, -1) + (1,) * (out.dim() - 2)
+    scale = (weight * invstd).reciprocal_()
+    shift = (bias * scale).neg_()
+    return torch.addcmul(shift.view(shape), out, scale.view(shape))
 
 
 class _ActivationKeepsInput(torch.autograd.Function):
@@ -184,16 +192,17 @@ class _MaxPoolKeepsOffsets(torch.autograd.Function):
         with machinery:
             offsets = (indices - _window_origins(x.shape[-1], out.shape[-2:], geometry, x.device)).to(offset_dtype)
         ctx.save_for_backward(offsets)
-        ctx.geometry, ctx.input = geometry, (x.shape, x.dtype)
+        ctx.geometry, ctx.input_shape = geometry, x.shape
         return out
 
     @staticmethod
     def backward(ctx, grad):
         (offsets,) = ctx.saved_tensors
-        shape, dtype = ctx.input
+        shape = ctx.input_shape
         indices = offsets.to(torch.int64).add_(_window_origins(shape[-1], grad.shape[-2:], ctx.geometry, grad.device))
-        # The kernel reads the input's shape only: a zero-byte stand-in of it.
-        like = torch.empty((), dtype=dtype, device=grad.device).expand(shape)
+        # The kernel reads the input's shape only: a stand-in of it that allocates nothing (a
+        # view of the gradient, which has the input's dtype, with every stride 0).
+        like = grad.as_strided(shape, (0,) * len(shape))
         gx = torch.ops.aten.max_pool2d_with_indices_backward(grad, like, *ctx.geometry, indices)
         return gx, None, None, None
 

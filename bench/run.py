@@ -35,8 +35,7 @@ from bench import methods as M  # noqa: E402
 from monet_cli.core.plan import solve_schedule  # noqa: E402
 from monet_cli.core.profile import InputSpec, Profile  # noqa: E402
 from monet_cli.core.segments import SegmentModel  # noqa: E402
-from monet_cli.core.simulate import Plan  # noqa: E402
-from monet_cli.core.solver.search import Planner  # noqa: E402
+from monet_cli.core.solver.search import Hint, Planner  # noqa: E402
 from monet_cli.profiler.run import env_info, profile_model  # noqa: E402
 from monet_cli.workload.resolve import Overrides, resolve_model_spec  # noqa: E402
 
@@ -81,7 +80,7 @@ def monet_points(profile: Profile, fractions: list[int], at_peaks: list[tuple[st
             if spec != "min":  # end the curve at the smallest peak any schedule reaches
                 lowest = planner.minimum_peak(time_limit_s=time_limit, workers=workers, seed=0)
                 if not points or lowest.peak_bytes < points[-1][1]["budget_bytes"]:
-                    budgets, hint = [("min", lowest.peak_bytes)], lowest.plan
+                    budgets, hint = [("min", lowest.peak_bytes)], (lowest.plan, lowest.variants)
             continue
         points.append(point)
     points += [point for spec, budget in at_peaks
@@ -90,7 +89,7 @@ def monet_points(profile: Profile, fractions: list[int], at_peaks: list[tuple[st
 
 
 def _solve_point(planner: Planner, spec: str, budget: int, time_limit: float, workers: int,
-                 hint: Plan | None = None) -> tuple[Any, dict] | None:
+                 hint: Hint | None = None) -> tuple[Any, dict] | None:
     schedule, outcome = solve_schedule(planner, budget, spec, time_limit_s=time_limit, workers=workers, seed=0,
                                        hint=hint)
     log(f"monet {spec}: {outcome.status} in {outcome.time_s:.2f}s")

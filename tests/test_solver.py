@@ -10,6 +10,7 @@ from conftest import small_spec
 from monet_cli.core.segments import SegmentModel
 from monet_cli.core.simulate import simulate
 from monet_cli.core.solver.enumerate import all_plans
+from monet_cli.core.solver.heuristics import level_plans
 from monet_cli.core.solver.search import Planner
 from monet_cli.profiler.run import profile_model
 
@@ -200,8 +201,34 @@ def test_a_given_plan_that_fits_is_kept_when_the_solver_has_no_time(two_branch):
     lowest = planner.minimum_peak(time_limit_s=10, workers=1, seed=0)
     without = planner.solve(lowest.peak_bytes, time_limit_s=0.01, workers=1, seed=0)
     assert without.plan is None
-    given = planner.solve(lowest.peak_bytes, time_limit_s=0.01, workers=1, seed=0, hint=lowest.plan)
+    given = planner.solve(lowest.peak_bytes, time_limit_s=0.01, workers=1, seed=0, hint=(lowest.plan, lowest.variants))
     assert given.plan == lowest.plan and given.status == "FEASIBLE" and given.method == "heuristic (given plan)"
+
+
+def test_near_the_smallest_peak_the_solver_starts_from_that_peak_s_plan(two_branch, monkeypatch):
+    """No level plan fits and CP-SAT finds no plan for the budget in time (resnet50 at 96 px, its
+    smallest peak and 0.5% above it, 10 s): the solve searches the smallest peak itself and
+    returns its plan, labelled, rather than telling the user to raise the time limit."""
+    from monet_cli.core.solver import search
+    from monet_cli.core.solver.cpsat import CpResult
+
+    profile, model, scored = two_branch
+    planner = Planner(model)
+    lowest = planner.minimum_peak(time_limit_s=10, workers=1, seed=0)
+    solve_model = search.solve_model
+
+    def budget_solve_finds_nothing(cp, variables, *, on_incumbent=None, **kwargs):
+        if on_incumbent is None:  # the smallest peak's search
+            return solve_model(cp, variables, **kwargs)
+        return CpResult(status="UNKNOWN", plan=None, objective=None, bound=None, wall_s=0.0)
+
+    monkeypatch.setattr(search, "solve_model", budget_solve_finds_nothing)
+    level_peaks = [simulate(profile, plan, model=model).peak_bytes for plan in level_plans(model).values()]
+    assert lowest.peak_bytes < min(level_peaks)
+    outcome = planner.solve(lowest.peak_bytes, time_limit_s=10, workers=1, seed=0)
+    assert outcome.status == "FEASIBLE" and outcome.method == "heuristic (smallest peak)", outcome
+    assert outcome.result.peak_bytes == lowest.peak_bytes and outcome.plan == lowest.plan
+    assert planner.solve(lowest.peak_bytes - 1, time_limit_s=10, workers=1, seed=0).plan is None
 
 
 MOBILENET_V2_LOW_PLAN = (

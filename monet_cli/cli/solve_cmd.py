@@ -204,7 +204,7 @@ def run_sweep(args: SolveArgs, sweep: str, plot: Path | None) -> None:
             if schedule is None:
                 rows.append({"budget_spec": spec, "budget_bytes": budget, "status": outcome.status, "schedule": None})
                 break  # tighter budgets cannot do better
-            hint = outcome.plan
+            hint = (outcome.plan, outcome.variants)
             path = Path("schedules") / schedule_name(profile_path, spec)
             save_schedule(schedule, path)
             rows.append({**summary(schedule, path), "budget_spec": spec})

@@ -25,7 +25,7 @@ from monet_cli.core.schedule import (
 )
 from monet_cli.core.segments import SegmentModel
 from monet_cli.core.simulate import Plan, SimResult, Variants, simulate
-from monet_cli.core.solver.search import Planner, SolveOutcome, solver_info
+from monet_cli.core.solver.search import Hint, Planner, SolveOutcome, solver_info
 from monet_cli.core.variants import TOLERANCE
 from monet_cli.errors import UsageError
 
@@ -145,7 +145,7 @@ def solve_schedule(
     time_limit_s: float,
     workers: int,
     seed: int,
-    hint: Plan | None = None,
+    hint: Hint | None = None,
     profile_sha256: str = "",
     report: Callable[[str], None] = lambda message: None,
 ) -> tuple[Schedule | None, SolveOutcome]:

@@ -24,11 +24,14 @@ from monet_cli.core.simulate import Plan, SimResult, Variants, simulate
 from monet_cli.core.solver.cpsat import MemoryRow, add_hint, build_model, row_at, solve_model
 from monet_cli.core.solver.heuristics import best_heuristic
 from monet_cli.core.solver.linear import LinearMemory
+from monet_cli.core.units import format_bytes
 
 MAX_ROUNDS = 40
 LAZY_ROWS = 64
 """Rows the model starts with, and at most this many more per round."""
 Report = Callable[[str], None]
+Hint = tuple[Plan, Variants]
+"""A plan and its operator variants that CP-SAT starts from."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -87,29 +90,22 @@ class Planner:
 
     def solve(
         self, budget_bytes: int, *, time_limit_s: float, workers: int, seed: int,
-        report: Report = _quiet, hint: Plan | None = None,
+        report: Report = _quiet, hint: Hint | None = None,
     ) -> SolveOutcome:
         start = time.perf_counter()
         if self.profile.baseline.peak_bytes <= budget_bytes:
             result = simulate(self.profile, {}, model=self.model)
             if result.peak_bytes <= budget_bytes:
                 return self._outcome({}, result, "OPTIMAL", "no-checkpointing", 0.0, 0.0, start, 0)
-        name, heuristic, fits = best_heuristic(self.linear, budget_bytes)
-        report(f"warm start: {name} ({'fits' if fits else 'over budget'})")
-        best = (heuristic, simulate(self.profile, heuristic, model=self.model)) if fits else None
-        if hint is not None:  # a plan the caller knows (the smallest peak's, a sweep's last one)
-            hinted = simulate(self.profile, hint, model=self.model)
-            if hinted.peak_bytes <= budget_bytes and (best is None or hinted.step_ms < best[1].step_ms):
-                name, best = "given plan", (hint, hinted)
+        name, best, hint = self._warm_start(budget_bytes, hint, time_limit_s / 2, workers, seed, report)
         rows = self._highest_rows()
         status, objective, bound, rounds = "UNKNOWN", None, None, 0
-        variants: Variants = frozenset()
         for rounds in range(1, MAX_ROUNDS + 1):
             remaining = time_limit_s - (time.perf_counter() - start)
             if remaining <= 0.05:
                 break
             cp, variables = build_model(self.model, rows, budget_bytes=budget_bytes, variants=self.offered)
-            add_hint(cp, variables, hint if hint is not None else heuristic)
+            add_hint(cp, variables, *hint)
             cp_result = solve_model(
                 cp, variables, time_limit_s=remaining, workers=workers, seed=seed,
                 on_incumbent=lambda obj, bnd, t: report(f"incumbent {obj / 1000:.3f} ms added, bound {bnd / 1000:.3f} ms, {t:.1f}s"),
@@ -120,8 +116,7 @@ class Planner:
             result = simulate(self.profile, cp_result.plan, model=self.model, variants=cp_result.variants)
             if result.peak_bytes <= budget_bytes:
                 objective, bound = cp_result.objective, cp_result.bound
-                best = (cp_result.plan, result)
-                variants = cp_result.variants
+                best = (cp_result.plan, cp_result.variants, result)
                 break
             added = self._violated_rows(rows, cp_result.plan, cp_result.variants, budget_bytes)
             report(f"round {rounds}: simulated peak {result.peak_bytes} over budget; {len(added)} more rows")
@@ -132,11 +127,38 @@ class Planner:
         if best is None:
             return self._outcome(None, None, "INFEASIBLE" if status == "INFEASIBLE" else "UNKNOWN",
                                  "cp-sat", None, None, start, rounds)
-        plan, result = best
-        if objective is None:  # CP-SAT did not confirm: keep the heuristic, honestly labelled
-            return self._outcome(plan, result, "FEASIBLE", f"heuristic ({name})", result.added_ms, None, start, rounds)
+        plan, variants, result = best
+        if objective is None:  # CP-SAT did not confirm: keep the warm start, honestly labelled
+            return self._outcome(plan, result, "FEASIBLE", f"heuristic ({name})", result.added_ms, None, start, rounds,
+                                 variants)
         return self._outcome(plan, result, status, "cp-sat", objective / 1000, bound / 1000, start, rounds,
                              variants)
+
+    def _warm_start(self, budget_bytes: int, hint: Hint | None, search_s: float, workers: int, seed: int,
+                    report: Report) -> tuple[str, tuple[Plan, Variants, SimResult] | None, Hint]:
+        """The fastest start that fits: the best heuristic's plan or the caller's ``hint``. When
+        neither fits, the smallest peak's plan found within ``search_s`` (near that peak CP-SAT
+        alone may find no plan in time, and a user would be told to raise the time limit for a
+        budget that can be met). Returns its name, the start with its simulation (None when
+        nothing fits) and the hint for CP-SAT."""
+        name, heuristic, fits = best_heuristic(self.linear, budget_bytes)
+        report(f"warm start: {name} ({'fits' if fits else 'over budget'})")
+        best = (heuristic, frozenset(), simulate(self.profile, heuristic, model=self.model)) if fits else None
+        hint_name = "given plan"
+        if hint is None and best is None:
+            lowest = self.minimum_peak(time_limit_s=search_s, workers=workers, seed=seed, enough_bytes=budget_bytes)
+            fits = lowest.peak_bytes <= budget_bytes
+            report(f"warm start: the smallest peak found, {format_bytes(lowest.peak_bytes)} "
+                   f"({'fits' if fits else 'over budget'})")
+            if fits:
+                hint, hint_name = (lowest.plan, lowest.variants), "smallest peak"
+        if hint is None:
+            return name, best, (heuristic, frozenset())
+        plan, variants = hint
+        hinted = simulate(self.profile, plan, model=self.model, variants=variants)
+        if hinted.peak_bytes <= budget_bytes and (best is None or hinted.step_ms < best[2].step_ms):
+            name, best = hint_name, (plan, variants, hinted)
+        return name, best, hint
 
     def _highest_rows(self) -> list[MemoryRow]:
         """Where the lazy model starts: the rows at the highest memory of the unscheduled step."""
@@ -173,23 +195,24 @@ class Planner:
             gap=gap, time_s=round(time.perf_counter() - start, 3), rounds=rounds,
         )
 
-    def minimum_peak(self, *, time_limit_s: float, workers: int, seed: int) -> MinimumPeak:
+    def minimum_peak(self, *, time_limit_s: float, workers: int, seed: int, enough_bytes: int = 0) -> MinimumPeak:
         """The lowest simulated peak found: CP-SAT minimising the peak of the lazily grown
-        linear model, each answer checked by simulation, and the heuristic's lowest plan."""
+        linear model, each answer checked by simulation, and the heuristic's lowest plan.
+        Stops early at a plan whose peak is at most ``enough_bytes``."""
         start = time.perf_counter()
         _, heuristic, _ = best_heuristic(self.linear, 0)
-        candidates: list[tuple[Plan, Variants]] = [({}, frozenset()), (heuristic, frozenset())]
+        candidates = [(self._peak(plan, frozenset()), plan, frozenset()) for plan in ({}, heuristic)]
         rows = self._highest_rows()
         for _ in range(MAX_ROUNDS):
             remaining = time_limit_s - (time.perf_counter() - start)
-            if remaining <= 0.05:
+            if remaining <= 0.05 or min(peak for peak, _, _ in candidates) <= enough_bytes:
                 break
             cp, variables = build_model(self.model, rows, budget_bytes=None, min_peak=True, variants=self.offered)
             add_hint(cp, variables, heuristic)
             cp_result = solve_model(cp, variables, time_limit_s=remaining, workers=workers, seed=seed)
             if cp_result.plan is None:
                 break
-            candidates.append((cp_result.plan, cp_result.variants))
+            candidates.append((self._peak(cp_result.plan, cp_result.variants), cp_result.plan, cp_result.variants))
             # The model's own peak for this answer: the highest of the rows it had.
             predicted = self.linear.predict(cp_result.plan, cp_result.variants)
             relaxed = max(int(predicted[row.point]) + row.slack for row in rows)
@@ -197,11 +220,11 @@ class Planner:
             if not added:
                 break
             rows = rows + added
-        scored = [(simulate(self.profile, p, model=self.model, variants=vs).peak_bytes, i)
-                  for i, (p, vs) in enumerate(candidates)]
-        peak, index = min(scored)
-        plan, variants = candidates[index]
+        peak, plan, variants = min(candidates, key=lambda candidate: candidate[0])  # the earliest of equals
         return MinimumPeak(peak_bytes=peak, plan=plan, variants=variants, breakdown=self.breakdown(plan, variants))
+
+    def _peak(self, plan: Plan, variants: Variants) -> int:
+        return simulate(self.profile, plan, model=self.model, variants=variants).peak_bytes
 
     def breakdown(self, plan: Plan, variants: Variants = frozenset()) -> dict[str, int]:
         """Bytes by kind (parameters, gradients, optimizer state, activations, ...) at the peak."""

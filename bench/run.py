@@ -37,6 +37,7 @@ from monet_cli.core.profile import InputSpec, Profile  # noqa: E402
 from monet_cli.core.segments import SegmentModel  # noqa: E402
 from monet_cli.core.solver.search import Hint, Planner  # noqa: E402
 from monet_cli.profiler.run import env_info, profile_model  # noqa: E402
+from monet_cli.runtime.meter import measure_peak  # noqa: E402
 from monet_cli.workload.resolve import Overrides, resolve_model_spec  # noqa: E402
 
 
@@ -104,7 +105,7 @@ def _solve_point(planner: Planner, spec: str, budget: int, time_limit: float, wo
 
 
 def live_peak(method: M.Method) -> int:
-    return method.workload.measure_peak().peak_bytes
+    return measure_peak(method.workload).peak_bytes
 
 
 def settled_peak(method: M.Method) -> int:

@@ -12,7 +12,7 @@ from monet_cli.core.profile import dump_profile, load_profile, profile_from_data
 from monet_cli.core.yamlio import load_yaml_file
 from monet_cli.profiler.capture import StepRecorder
 from monet_cli.profiler.run import profile_model
-from monet_cli.runtime.meter import LiveStorageMeter, measure_step, preexisting_tensors
+from monet_cli.runtime.meter import LiveStorageMeter, measure_step
 from monet_cli.workload.step import build_workload
 
 CPU = torch.device("cpu")
@@ -53,7 +53,7 @@ def test_profile_keys_and_types(resnet18_profile, tmp_path):
 
 def test_baseline_peak_equals_meter_on_same_step(resnet18_profile):
     workload = _warm_workload(small_spec())
-    pre = preexisting_tensors(workload.model, workload.optimizer, workload.data_tensors())
+    pre = workload.resident_tensors()
     measured = measure_step(workload.step, device=CPU, preexisting=pre)
     assert measured.meter == "live-storages"
     assert measured.peak_bytes == resnet18_profile.baseline.peak_bytes
@@ -61,7 +61,7 @@ def test_baseline_peak_equals_meter_on_same_step(resnet18_profile):
 
 def test_recorder_sees_the_same_peak_as_the_plain_meter():
     workload = _warm_workload(small_spec("tests.models_for_tests:skip_cnn"))
-    pre = preexisting_tensors(workload.model, workload.optimizer, workload.data_tensors())
+    pre = workload.resident_tensors()
     plain = measure_step(workload.step, device=CPU, preexisting=pre).peak_bytes
     recorder = StepRecorder(workload)
     recorder.record_step()
@@ -73,7 +73,7 @@ def test_meter_is_deterministic():
     peaks = set()
     for _ in range(2):
         workload.zero_grad()
-        pre = preexisting_tensors(workload.model, workload.optimizer, workload.data_tensors())
+        pre = workload.resident_tensors()
         peaks.add(measure_step(workload.step, device=CPU, preexisting=pre).peak_bytes)
     assert len(peaks) == 1
 
@@ -81,7 +81,7 @@ def test_meter_is_deterministic():
 def _live_activations_after_forward(spec) -> int:
     workload = _warm_workload(spec)
     meter = LiveStorageMeter()
-    meter.register(t for t, _ in preexisting_tensors(workload.model, workload.optimizer, workload.data_tensors()))
+    meter.register(t for t, _ in workload.resident_tensors())
     before = meter.current_bytes
     with meter:
         loss = workload.forward_loss()

@@ -36,6 +36,7 @@ from monet_cli.profiler.rehearse import Rehearsal
 from monet_cli.profiler.transfer import measure_transfer
 from monet_cli.profiler.variants import measure_variants
 from monet_cli.runtime.fingerprint import model_modules_hash, warn_if_untested_torch
+from monet_cli.runtime.meter import measure_peak
 from monet_cli.workload.step import Workload, build_workload, configure_cuda, run_checked
 
 Progress = Callable[[str], None]
@@ -61,7 +62,7 @@ def profile_model(
     progress("warm-up step")
     run_checked(lambda: workload.timed_step(), "warm-up step")
     progress("measuring peak memory")
-    measurement = run_checked(workload.measure_peak, "measuring step")
+    measurement = run_checked(lambda: measure_peak(workload), "measuring step")
     progress("recording ops and memory")
     recorder = StepRecorder(workload)
     run_checked(recorder.record_step, "recording step")

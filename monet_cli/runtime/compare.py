@@ -24,6 +24,7 @@ import torch
 from monet_cli.core.schedule import Schedule
 from monet_cli.errors import FingerprintError, ModelError
 from monet_cli.runtime.executor import apply_schedule, machinery
+from monet_cli.runtime.meter import measure_peak
 from monet_cli.workload.step import Workload, build_workload, configure_cuda, run_checked
 
 CHECK_SEED = 1234
@@ -235,10 +236,10 @@ def run_apply(
         _run_first_step(scheduled, "scheduled step")
         result = None
     progress("measuring peak memory")
-    base_peak = run_checked(lambda: baseline.measure_peak(CHECK_SEED + 1, timeline=timeline, beside=scheduled),
+    base_peak = run_checked(lambda: measure_peak(baseline, CHECK_SEED + 1, timeline=timeline, beside=scheduled),
                             "baseline step")
-    sched_peak = run_checked(lambda: scheduled.measure_peak(CHECK_SEED + 1, timeline=timeline, beside=baseline,
-                                                            machinery=machinery(scheduled.model)),
+    sched_peak = run_checked(lambda: measure_peak(scheduled, CHECK_SEED + 1, timeline=timeline, beside=baseline,
+                                                 machinery=machinery(scheduled.model)),
                              "scheduled step")
     base_ms, sched_ms = [], []
     for i in range(steps):

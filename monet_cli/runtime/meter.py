@@ -20,7 +20,7 @@ import weakref
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -28,6 +28,9 @@ from torch.utils._pytree import tree_flatten
 
 from monet_cli.core.allocator import cuda_block_bytes, roundup_divisions
 from monet_cli.errors import UsageError
+
+if TYPE_CHECKING:
+    from monet_cli.workload.step import Workload
 
 
 def storage_key(tensor: torch.Tensor) -> int:
@@ -187,23 +190,6 @@ class Measurement:
     """Live bytes after each op (CPU meter only, when asked for)."""
 
 
-def preexisting_tensors(
-    module: torch.nn.Module,
-    optimizer: torch.optim.Optimizer | None,
-    extra: Iterable[torch.Tensor] = (),
-) -> list[tuple[torch.Tensor, str]]:
-    """Every tensor alive before a step starts, with the kind of memory it is."""
-    found: list[tuple[torch.Tensor, str]] = []
-    found += [(p, "param") for p in module.parameters()]
-    found += [(p.grad, "grad") for p in module.parameters() if p.grad is not None]
-    found += [(b, "buffer") for b in module.buffers()]
-    if optimizer is not None:
-        for state in optimizer.state.values():
-            found += [(v, "optimizer") for v in state.values() if isinstance(v, torch.Tensor)]
-    found += [(t, "input") for t in extra]
-    return found
-
-
 def allocated_bytes(tensors: Iterable[torch.Tensor]) -> int:
     """Bytes of the distinct storages behind ``tensors``, as the device's allocator counts them."""
     meter = LiveStorageMeter()
@@ -241,3 +227,16 @@ def measure_step(
         step()
     return Measurement(peak_bytes=meter.peak_bytes, meter="live-storages",
                        timeline=tuple(meter.timeline) if timeline else ())
+
+
+def measure_peak(workload: Workload, seed: int | None = None, *, timeline: bool = False,
+                 beside: Workload | None = None, machinery: MachineryMarker | None = None) -> Measurement:
+    """One step of ``workload`` (grads cleared first) under the device's memory meter;
+    ``beside``: another workload alive on the same device, whose tensors are not this step's
+    memory; ``machinery``: when checkpoint's bookkeeping runs (no timeline points)."""
+    if seed is not None:
+        torch.manual_seed(seed)
+    workload.zero_grad()
+    foreign = [] if beside is None else [t for t, _ in beside.resident_tensors()]
+    return measure_step(workload.step, device=workload.device, preexisting=workload.resident_tensors(),
+                        foreign=foreign, timeline=timeline, machinery=machinery)

@@ -10,7 +10,7 @@ import contextlib
 import importlib
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,7 +20,6 @@ from torch import nn
 
 from monet_cli.core.profile import LOSS_MODULE, PRECISIONS, InputSpec, ModelSpec
 from monet_cli.errors import DeviceError, ModelError, MonetError, UsageError
-from monet_cli.runtime.meter import Measurement, measure_step, preexisting_tensors
 from monet_cli.workload.resolve import build_model
 
 # Activation modules whose in-place mode stops a schedule from keeping their output.
@@ -273,21 +272,6 @@ class Workload:
         self.sync()
         return (time.perf_counter() - start) * 1000.0
 
-    def measure_peak(
-        self, seed: int | None = None, *, timeline: bool = False, beside: Workload | None = None,
-        machinery: Any = None,
-    ) -> Measurement:
-        """One step (grads cleared first) under the device's memory meter; ``beside``: another
-        workload alive on the same device, whose tensors are not this step's memory;
-        ``machinery``: when checkpoint's bookkeeping runs (no timeline points)."""
-        if seed is not None:
-            torch.manual_seed(seed)
-        self.zero_grad()
-        pre = self.resident_tensors()
-        foreign = [] if beside is None else [t for t, _ in beside.resident_tensors()]
-        return measure_step(self.step, device=self.device, preexisting=pre, foreign=foreign, timeline=timeline,
-                            machinery=machinery)
-
     def resident_tensors(self) -> list[tuple[torch.Tensor, str]]:
         """Every tensor this workload keeps between steps (parameters, gradients, buffers,
         optimizer state, data), with its kind of memory."""
@@ -299,6 +283,23 @@ class Workload:
 
     def data_tensors(self) -> list[torch.Tensor]:
         return [*self.inputs, *self.loss_fn.tensors()]
+
+
+def preexisting_tensors(
+    module: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    extra: Iterable[torch.Tensor] = (),
+) -> list[tuple[torch.Tensor, str]]:
+    """Every tensor alive before a step starts, with the kind of memory it is."""
+    found: list[tuple[torch.Tensor, str]] = []
+    found += [(p, "param") for p in module.parameters()]
+    found += [(p.grad, "grad") for p in module.parameters() if p.grad is not None]
+    found += [(b, "buffer") for b in module.buffers()]
+    if optimizer is not None:
+        for state in optimizer.state.values():
+            found += [(v, "optimizer") for v in state.values() if isinstance(v, torch.Tensor)]
+    found += [(t, "input") for t in extra]
+    return found
 
 
 class loss_scope:

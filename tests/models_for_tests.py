@@ -294,9 +294,10 @@ class RangeNet(nn.Module):
     """A forward whose own code sits between its calls, which only op ranges can cover: a
     buffer it writes, dropout and a gated activation, an in-place add on a tensor it made,
     one module called twice, and a residual from its input. ``extra`` adds one own op (the
-    same modules, another op sequence). Input [N, width]."""
+    same modules, another op sequence); ``island`` a float32 matmul with autocast switched off
+    (as transformers' rotary embeddings and RMSNorm do). Input [N, width]."""
 
-    def __init__(self, width: int = 16, num_classes: int = 5, extra: bool = False) -> None:
+    def __init__(self, width: int = 16, num_classes: int = 5, extra: bool = False, island: bool = False) -> None:
         super().__init__()
         self.up = nn.Linear(width, 4 * width)
         self.act = nn.ReLU()
@@ -305,6 +306,7 @@ class RangeNet(nn.Module):
         self.head = nn.Linear(width, num_classes)
         self.register_buffer("calls", torch.zeros((), dtype=torch.long))
         self.extra = extra
+        self.mix = nn.Parameter(torch.eye(4 * width) + 0.01) if island else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.calls.add_(1)
@@ -315,8 +317,11 @@ class RangeNet(nn.Module):
         g.add_(1.0)
         if self.extra:
             g = g * 0.5
+        if self.mix is not None:
+            with torch.autocast(x.device.type, enabled=False):
+                g = g.float() @ self.mix
         return self.head(x + self.down(g))
 
 
-def range_net(width: int = 16, num_classes: int = 5, extra: bool = False) -> nn.Module:
-    return RangeNet(width, num_classes, extra)
+def range_net(width: int = 16, num_classes: int = 5, extra: bool = False, island: bool = False) -> nn.Module:
+    return RangeNet(width, num_classes, extra, island)

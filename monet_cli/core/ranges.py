@@ -64,15 +64,17 @@ def op_ranges(profile: Profile, chains: list[tuple[ModuleCall, ...]]) -> list[Op
     for parent, calls in sorted(children.items()):
         if called[profile.calls[parent].fqn] == 1 and len(calls) <= MAX_RANGE_CALLS:
             calls = sorted(calls, key=lambda c: c.first_op)
-            ranges += [r for r in _ranges_in(profile, profile.calls[parent], calls, held, set(children))
+            ranges += [r for r in _ranges_in(profile, profile.calls[parent], calls, held, set(children), called)
                        if (r.first_op, r.end_op) not in taken]
     return sorted(ranges, key=lambda r: (r.first_op, -r.end_op))
 
 
 def _ranges_in(profile: Profile, parent: ModuleCall, calls: list[ModuleCall], held: dict[int, tuple[int, ...]],
-               parents: set[int]) -> list[OpRange]:
-    if any(call.reason and not call.reason.startswith("called ") for call in calls):
-        return []  # a call whose re-run does not repeat it (or that writes its inputs) cannot be replayed
+               parents: set[int], called: dict[str, int]) -> list[OpRange]:
+    # A call made several times is no segment for that reason alone (the range replays it as a
+    # call); any other reason means its re-run does not repeat it, or it writes its inputs.
+    if any(call.reason and called[call.fqn] == 1 for call in calls):
+        return []
     # (at a call?, position); where a call starts or ends with the forward, its hook is the same boundary.
     starts = [(True, c.first_op) for c in calls]
     if calls[0].first_op != parent.first_op:

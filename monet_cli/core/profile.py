@@ -134,8 +134,7 @@ class Overheads:
     ``segment_ms`` then covers a segment of 20 saved tensors)."""
     policy_op_ms: float = 0.0
     """Each op inside a segment with a selective keep policy (its dispatch modes run in forward and
-    recompute). An op range's recorder, a dispatch mode in the forward only, is priced at one of these
-    per op that its calls run."""
+    recompute)."""
     range_op_ms: float = 0.0
     """Each of an op range's own ops beyond plain checkpoint's cost: written to the tape in the
     forward and replayed from it in the recompute, in Python. Profiles made before it was

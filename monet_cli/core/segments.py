@@ -407,17 +407,15 @@ class SegmentModel:
     def overhead_ms(self, call_index: int, kept: frozenset[int] = frozenset(), frame: Frame | None = None) -> float:
         """Checkpoint machinery time of a segment: the call, each tensor saved through its
         frame (as ``frame`` when nested), and per op: the selective policy's dispatch modes, in
-        forward and recompute, when it keeps ops; for an op range, its recorder's dispatch mode
-        over the ops its calls run, and the tape's recording and replay of its own ops."""
+        forward and recompute, when it keeps ops; for an op range, the tape's recording and
+        replay of its own ops (its recorder is off while its calls run)."""
         seg = self.segments[call_index]
         costs = self.profile.overheads
         saves = frame.saves if frame else len(seg.packs)
         fixed = costs.segment_ms + costs.saved_tensor_ms * saves
-        ops = seg.end_op - seg.first_op
         if seg.range:
-            own = seg.range.own_ops
-            return fixed + costs.policy_op_ms * (ops - own) + costs.range_op_ms * own
-        return fixed + (costs.policy_op_ms * 2 * ops if kept else 0.0)
+            return fixed + costs.range_op_ms * seg.range.own_ops
+        return fixed + (costs.policy_op_ms * 2 * (seg.end_op - seg.first_op) if kept else 0.0)
 
     def added_ms(self, call_index: int, kept: frozenset[int] = frozenset(), frame: Frame | None = None) -> float:
         """What checkpointing the segment adds to the step: re-run ops plus machinery."""

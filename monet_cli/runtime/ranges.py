@@ -5,7 +5,7 @@ The frame is the generator ``torch.utils.checkpoint`` drives around its function
 the hook where the range starts (the start of one of the module's calls, or of its forward)
 and closes where it ends. Between the two, a dispatch mode writes a tape of what the forward
 ran: each call the module makes (module and arguments) and each of the module's own aten ops
-(overload and arguments). The recompute replays the tape: calls as calls, so their hooks,
+(overload and arguments); it steps off the mode stack while a call runs. The recompute replays the tape: calls as calls, so their hooks,
 nested segments and BatchNorm guards run as in any recompute, and own ops as the same aten
 ops, so autograd saves the same tensors in the same order.
 
@@ -32,7 +32,6 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.checkpoint import noop_context_fn
-from torch.utils.weak import WeakTensorKeyDictionary
 
 from monet_cli.core.schedule import SegmentDecision
 from monet_cli.errors import FingerprintError
@@ -60,6 +59,7 @@ class _Entry:
     leaves: list[Any]
     """Its flattened (args, kwargs), tensors replaced by ``_Made`` / ``_Before``."""
     spec: Any
+    """How to rebuild (args, kwargs) from the leaves: a pytree spec for a call, an ``_OpLayout`` for an op."""
     outputs: list[int | None]
     """Replay position of each flattened output leaf (None: not a tensor)."""
     writes: tuple[int, ...] = ()
@@ -74,13 +74,16 @@ class _Entry:
 class _Tape:
     entries: list[_Entry] = field(default_factory=list)
     before: list[torch.Tensor] = field(default_factory=list)
+    before_index: dict[int, int] = field(default_factory=dict)
+    """``id`` of each tensor in ``before`` -> its index (the list holds them: ids stay theirs)."""
     positions: int = 0
     dropped: list[int] = field(default_factory=list)
     """Positions the forward dropped since the last entry was recorded."""
 
 
 class _Recorder(TorchDispatchMode):
-    """Writes the module's own ops to the tape while the range runs (not the ops inside its calls)."""
+    """Writes the module's own ops to the tape while the range runs. It is off the mode stack
+    while the module's calls run: their ops are theirs, and pass at no cost."""
 
     def __init__(self, owner: RangeSegment) -> None:
         super().__init__()
@@ -88,24 +91,76 @@ class _Recorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if self.owner.in_call is not None:
-            return func(*args, **kwargs)
-        entry = self.owner.entry(func, (args, kwargs), written=_written(func, args, kwargs), grad=torch.is_grad_enabled())
+        leaves, layout = _op_leaves(args, kwargs)
+        entry = self.owner.entry(func, leaves, layout, written=_written(func, args, kwargs), grad=torch.is_grad_enabled())
         out = func(*args, **kwargs)
         self.owner.made(entry, out)
-        if str(func) not in IGNORED_OPS:
+        if _counted(func):
             self.owner.own_ops += 1
         return out
 
 
+# The tape's own Python runs at every own op, twice (record and replay): aten arguments nest
+# at most one list deep, so they are flattened by hand (pytree's generic walk was the tape's
+# largest cost on attention code), and what each overload is and writes is looked up once.
+@functools.cache
+def _counted(func: Any) -> bool:
+    """An own op as the profile counts them."""
+    return str(func) not in IGNORED_OPS
+
+
+class _OpLayout(NamedTuple):
+    """Where an op's arguments sit among its leaves: per argument, the length of the list it
+    is (None: a single value), then the keyword names."""
+
+    lengths: tuple[int | None, ...]
+    positional: int
+    names: tuple[str, ...]
+
+
+def _op_leaves(args: tuple, kwargs: dict) -> tuple[list[Any], _OpLayout]:
+    leaves: list[Any] = []
+    lengths: list[int | None] = []
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, (list, tuple)):
+            lengths.append(len(value))
+            leaves.extend(value)
+        else:
+            lengths.append(None)
+            leaves.append(value)
+    return leaves, _OpLayout(tuple(lengths), len(args), tuple(kwargs))
+
+
+def _op_arguments(leaves: list[Any], layout: _OpLayout) -> tuple[list[Any], dict[str, Any]]:
+    values, k = [], 0
+    for length in layout.lengths:
+        if length is None:
+            values.append(leaves[k])
+            k += 1
+        else:
+            values.append(leaves[k:k + length])
+            k += length
+    return values[:layout.positional], dict(zip(layout.names, values[layout.positional:]))
+
+
+def _as_sequence(value: Any) -> Sequence[Any]:
+    """An op's outputs (or a list argument's items) as a sequence."""
+    return value if isinstance(value, (list, tuple)) else (value,)
+
+
+@functools.cache
+def _written_arguments(func: Any) -> tuple[tuple[int, str, bool], ...]:
+    """(position, name, keyword-only) of each argument ``func`` writes in place (its schema's alias info says which)."""
+    return tuple((k, arg.name, arg.kwarg_only) for k, arg in enumerate(func._schema.arguments)
+                 if arg.alias_info is not None and arg.alias_info.is_write)
+
+
 def _written(func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
-    """The tensor arguments ``func`` writes in place (its schema's alias info says which)."""
+    """The tensor arguments ``func`` writes in place."""
     written = []
-    for k, arg in enumerate(func._schema.arguments):
-        if arg.alias_info is None or not arg.alias_info.is_write:
-            continue
-        value = kwargs.get(arg.name) if arg.kwarg_only or k >= len(args) else args[k]
-        written += [t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)]
+    for k, name, kwarg_only in _written_arguments(func):
+        value = kwargs.get(name) if kwarg_only or k >= len(args) else args[k]
+        written += [t for t in _as_sequence(value) if isinstance(t, torch.Tensor)]
     return written
 
 
@@ -130,7 +185,9 @@ class RangeSegment:
         self.seen: dict[int, int] = defaultdict(int)
         self.replaying = 0
         self.own_ops = 0
-        self.ids: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
+        self.ids: dict[int, int] = {}
+        """``id`` of each live tensor the range made -> its replay position (a tensor's death
+        removes it before its id can be another's)."""
         self.watch: list[weakref.ref] = []
 
     def install(self) -> None:
@@ -170,22 +227,24 @@ class RangeSegment:
             self._open((args, kwargs))
         if self.frame is not None:
             self.in_call = module
-            self.call_entry = self.entry(module, (args, kwargs), is_call=True)
+            leaves, spec = tree_flatten((args, kwargs))
+            self.call_entry = self.entry(module, leaves, spec, is_call=True)
+            self.mode.__exit__(None, None, None)
 
     def _call_ends(self, module: nn.Module, args: tuple, output: Any) -> None:
         if self.frame is None or self.in_call is not module or self.replaying:
             return
         self.in_call = None
+        self.mode.__enter__()
         self.made(self.call_entry, output)
         if self.decision.closes_at_call and sum(e.is_call for e in self.tape.entries) == len(self.calls):
             self._close_checked()
 
     # -- recording --------------------------------------------------------------------
-    def entry(self, run: Any, args: Any, *, written: Sequence[torch.Tensor] = (), grad: bool = True,
-              is_call: bool = False) -> _Entry:
-        leaves, spec = tree_flatten(args)
+    def entry(self, run: Any, leaves: list[Any], spec: Any, *, written: Sequence[torch.Tensor] = (),
+              grad: bool = True, is_call: bool = False) -> _Entry:
         refs = [self._ref(leaf) if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
-        writes = tuple(k for k, leaf in enumerate(leaves) if any(leaf is t for t in written))
+        writes = tuple(k for k, leaf in enumerate(leaves) if any(leaf is t for t in written)) if written else ()
         tape = self.tape
         entry = _Entry(run=run, leaves=refs, spec=spec, outputs=[], writes=writes, grad=grad, is_call=is_call,
                        drop=tape.dropped)
@@ -194,26 +253,26 @@ class RangeSegment:
         return entry
 
     def _ref(self, tensor: torch.Tensor) -> _Made | _Before:
-        position = self.ids.get(tensor)
+        position = self.ids.get(id(tensor))
         if position is not None:
             return _Made(position)
-        before = self.tape.before
-        index = next((k for k, held in enumerate(before) if held is tensor), None)
+        tape = self.tape
+        index = tape.before_index.get(id(tensor))
         if index is None:
-            before.append(tensor)
-            index = len(before) - 1
+            index = tape.before_index[id(tensor)] = len(tape.before)
+            tape.before.append(tensor)
         return _Before(index)
 
     def made(self, entry: _Entry, output: Any) -> None:
-        for leaf in tree_flatten(output)[0]:
+        for leaf in _output_leaves(entry, output):
             if not isinstance(leaf, torch.Tensor):
                 entry.outputs.append(None)
                 continue
             position = self.tape.positions
             self.tape.positions += 1
-            self.ids[leaf] = position
+            self.ids[id(leaf)] = position
             entry.outputs.append(position)
-            self.watch.append(weakref.ref(leaf, functools.partial(_dropped, self.tape, position)))
+            self.watch.append(weakref.ref(leaf, functools.partial(_dropped, self.tape, self.ids, id(leaf), position)))
 
     # -- the frame -----------------------------------------------------------------------
     def _open(self, args: Any) -> None:
@@ -242,9 +301,10 @@ class RangeSegment:
     def _stop_recording(self) -> None:
         if self.mode is not None:
             mode, self.mode = self.mode, None
-            mode.__exit__(None, None, None)
+            if self.in_call is None:  # else a call raised, and the recorder is off the stack already
+                mode.__exit__(None, None, None)
         self.watch.clear()
-        self.ids = WeakTensorKeyDictionary()
+        self.ids = {}
 
     def _abandon(self) -> None:
         """Leave a frame a raising forward left open; forget the tape of a finished one."""
@@ -261,13 +321,14 @@ class RangeSegment:
     # -- the recompute ---------------------------------------------------------------------
     def _replay(self, tape: _Tape, *_anchor: torch.Tensor) -> None:
         values: list[Any] = [None] * tape.positions
+        under_autocast = any(torch.is_autocast_enabled(device) for device in ("cpu", "cuda"))
         self.replaying += 1
         try:
             with self.marker.lowered():
                 for entry in tape.entries:
                     for position in entry.drop:
                         values[position] = None
-                    self._keep_outputs(entry, self._run(entry, tape, values), values)
+                    self._keep_outputs(entry, self._run(entry, tape, values, under_autocast), values)
         finally:
             self.replaying -= 1
 
@@ -275,19 +336,26 @@ class RangeSegment:
     def _keep_outputs(entry: _Entry, output: Any, values: list[Any]) -> None:
         # Only ``values`` may hold the outputs once this returns: a local left holding the
         # last entry's output would keep tensors the forward had dropped.
-        for position, leaf in zip(entry.outputs, tree_flatten(output)[0]):
+        for position, leaf in zip(entry.outputs, _output_leaves(entry, output)):
             if position is not None:
                 values[position] = leaf
 
-    def _run(self, entry: _Entry, tape: _Tape, values: list[Any]) -> Any:
+    def _run(self, entry: _Entry, tape: _Tape, values: list[Any], under_autocast: bool) -> Any:
         leaves = [values[leaf.position] if isinstance(leaf, _Made) else
                   tape.before[leaf.index] if isinstance(leaf, _Before) else leaf for leaf in entry.leaves]
-        args, kwargs = tree_unflatten(leaves, entry.spec)
         if entry.is_call:
+            args, kwargs = tree_unflatten(leaves, entry.spec)
+            return entry.run(*args, **kwargs)
+        args, kwargs = _op_arguments(leaves, entry.spec)
+        if not (entry.writes or under_autocast) and entry.grad:  # most ops: no context to enter
             return entry.run(*args, **kwargs)
         written = [leaves[k] for k in entry.writes if isinstance(entry.leaves[k], _Before)]
         with _restored(written), torch.set_grad_enabled(entry.grad), _no_autocast():
             return entry.run(*args, **kwargs)
+
+
+def _output_leaves(entry: _Entry, output: Any) -> Sequence[Any]:
+    return tree_flatten(output)[0] if entry.is_call else _as_sequence(output)
 
 
 @contextlib.contextmanager
@@ -309,10 +377,12 @@ def _restored(tensors: list[torch.Tensor]) -> Iterator[None]:
                 tensor.copy_(value)
 
 
-def _dropped(tape: _Tape, position: int, _ref: weakref.ref) -> None:
+def _dropped(tape: _Tape, ids: dict[int, int], key: int, position: int, _ref: weakref.ref) -> None:
     """The forward's Python dropped the tensor at ``position``: the replay drops it before the
     entry recorded next, as the forward did."""
     tape.dropped.append(position)
+    if ids.get(key) == position:  # an in-place op's output is its input: the later position holds
+        del ids[key]
 
 
 def _no_autocast() -> contextlib.ExitStack:

@@ -137,8 +137,9 @@ class Overheads:
     recompute)."""
     range_op_ms: float = 0.0
     """Each of an op range's own ops beyond plain checkpoint's cost: written to the tape in the
-    forward and replayed from it in the recompute, in Python. Profiles made before it was
-    measured say 0, and price a range as plain checkpoint plus its recorder."""
+    forward and replayed from it in the recompute, in Python. Timed on one of the model's own
+    ranges where one qualifies (``profiler/range_probe.py``), else on a chain of tanh ops.
+    Profiles made before it was measured say 0, and price a range as plain checkpoint."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -5,7 +5,7 @@
 - ``bn_output``: a BatchNorm whose output y feeds only an activation (ReLU, ReLU6,
   Hardtanh) whose output r feeds only convolutions. PyTorch keeps the BatchNorm's input c
   and r (and y, for ReLU6); the variant keeps y alone: the BatchNorm rebuilds its
-  normalised input from y in backward, the activation keeps its input, and each
+  centred input from y in backward, the activation keeps its input, and each
   convolution recomputes r from y in its backward node.
 - ``maxpool_offsets``: a max-pooling that keeps, instead of its input and its int64
   indices, each maximum's offset inside its window (one or two bytes): the indices are

@@ -5,9 +5,10 @@ The frame is the generator ``torch.utils.checkpoint`` drives around its function
 the hook where the range starts (the start of one of the module's calls, or of its forward)
 and closes where it ends. Between the two, a dispatch mode writes a tape of what the forward
 ran: each call the module makes (module and arguments) and each of the module's own aten ops
-(overload and arguments); it steps off the mode stack while a call runs. The recompute replays the tape: calls as calls, so their hooks,
-nested segments and BatchNorm guards run as in any recompute, and own ops as the same aten
-ops, so autograd saves the same tensors in the same order.
+(overload and arguments); it steps off the mode stack while a call runs. The recompute
+replays the tape: calls as calls, so their hooks, nested segments and BatchNorm guards run as
+in any recompute, and own ops as the same aten ops, so autograd saves the same tensors in the
+same order.
 
 The tape never holds what the range makes: arguments made inside it are positions in the
 replay's own list, and each position is dropped where the forward's Python dropped that

@@ -73,7 +73,7 @@ def run_workload(name: str, device: torch.device) -> dict:
     runs = []
     for label, budget in case_budgets(profile.baseline.peak_bytes, lowest.peak_bytes).items():
         schedule, outcome = solve_schedule(planner, budget, label, time_limit_s=TIME_LIMIT_S, workers=2, seed=0,
-                                           hint=lowest.plan)
+                                           hint=(lowest.plan, lowest.variants))
         report = run_apply(schedule, device, steps=3, check=True)
         check = report.check
         runs.append({

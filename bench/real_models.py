@@ -151,7 +151,7 @@ def run_case(spec: ModelSpec, *, time_limit_s: float = 10.0) -> CaseResult:
     for label, budget in case_budgets(profile.baseline.peak_bytes, floor).items():
         # The smallest peak's plan fits every budget: a schedule exists however slow the machine.
         schedule, _ = solve_schedule(planner, budget, label, time_limit_s=time_limit_s, workers=1, seed=0,
-                                     hint=lowest.plan)
+                                     hint=(lowest.plan, lowest.variants))
         if schedule is None:
             raise AssertionError(f"{spec.name}: no schedule at {label} ({budget} B, floor {floor} B)")
         runs.append(CaseRun(label=label, schedule=schedule, report=run_apply(schedule, CPU, steps=1, check=True)))

@@ -79,7 +79,7 @@ def test_a_cuda_schedule_holds_its_budget_and_gradients():
     planner = Planner(model)
     floor = planner.minimum_peak(time_limit_s=20, workers=2, seed=0)
     budget = (floor.peak_bytes + profile.baseline.peak_bytes) // 2
-    outcome = planner.solve(budget, time_limit_s=20, workers=2, seed=0, hint=floor.plan)
+    outcome = planner.solve(budget, time_limit_s=20, workers=2, seed=0, hint=(floor.plan, floor.variants))
     schedule = build_schedule(profile, outcome.plan, budget_bytes=budget, budget_spec="halfway", profile_sha256="",
                               model=model, solver=solver_info(outcome, workers=2, seed=0, time_limit_s=20))
     report = run_apply(schedule, device, steps=2, check=True)

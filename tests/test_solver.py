@@ -225,9 +225,10 @@ def test_near_the_smallest_peak_the_solver_starts_from_that_peak_s_plan(two_bran
     monkeypatch.setattr(search, "solve_model", budget_solve_finds_nothing)
     level_peaks = [simulate(profile, plan, model=model).peak_bytes for plan in level_plans(model).values()]
     assert lowest.peak_bytes < min(level_peaks)
-    outcome = planner.solve(lowest.peak_bytes, time_limit_s=10, workers=1, seed=0)
-    assert outcome.status == "FEASIBLE" and outcome.method == "heuristic (smallest peak)", outcome
-    assert outcome.result.peak_bytes == lowest.peak_bytes and outcome.plan == lowest.plan
+    for hint in (None, ({}, frozenset())):  # no plan given, or one that does not fit (a sweep's last)
+        outcome = planner.solve(lowest.peak_bytes, time_limit_s=10, workers=1, seed=0, hint=hint)
+        assert outcome.status == "FEASIBLE" and outcome.method == "heuristic (smallest peak)", outcome
+        assert outcome.result.peak_bytes == lowest.peak_bytes and outcome.plan == lowest.plan
     assert planner.solve(lowest.peak_bytes - 1, time_limit_s=10, workers=1, seed=0).plan is None
 
 

@@ -144,21 +144,26 @@ class Planner:
         name, heuristic, fits = best_heuristic(self.linear, budget_bytes)
         report(f"warm start: {name} ({'fits' if fits else 'over budget'})")
         best = (heuristic, frozenset(), simulate(self.profile, heuristic, model=self.model)) if fits else None
-        hint_name = "given plan"
-        if hint is None and best is None:
+        if hint is not None:
+            name, best = self._better(budget_bytes, "given plan", hint, name, best)
+        if best is None:
             lowest = self.minimum_peak(time_limit_s=search_s, workers=workers, seed=seed, enough_bytes=budget_bytes)
             fits = lowest.peak_bytes <= budget_bytes
             report(f"warm start: the smallest peak found, {format_bytes(lowest.peak_bytes)} "
                    f"({'fits' if fits else 'over budget'})")
             if fits:
-                hint, hint_name = (lowest.plan, lowest.variants), "smallest peak"
-        if hint is None:
-            return name, best, (heuristic, frozenset())
+                hint = (lowest.plan, lowest.variants)
+                name, best = self._better(budget_bytes, "smallest peak", hint, name, best)
+        return name, best, hint if hint is not None else (heuristic, frozenset())
+
+    def _better(self, budget_bytes: int, name: str, hint: Hint, best_name: str,
+                best: tuple[Plan, Variants, SimResult] | None) -> tuple[str, tuple[Plan, Variants, SimResult] | None]:
+        """``hint`` (as ``name``) when it fits and is faster than ``best``, else ``best``."""
         plan, variants = hint
         hinted = simulate(self.profile, plan, model=self.model, variants=variants)
         if hinted.peak_bytes <= budget_bytes and (best is None or hinted.step_ms < best[2].step_ms):
-            name, best = hint_name, (plan, variants, hinted)
-        return name, best, hint
+            return name, (plan, variants, hinted)
+        return best_name, best
 
     def _highest_rows(self) -> list[MemoryRow]:
         """Where the lazy model starts: the rows at the highest memory of the unscheduled step."""

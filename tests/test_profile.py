@@ -155,6 +155,26 @@ def test_loader_rejects_changed_types(resnet18_profile):
         profile_from_data(data, source="x.yaml")
 
 
+def test_a_recompute_runs_the_forward_code_around_each_op_again(resnet18_profile):
+    """A recompute pays the measured code cost for every op it re-runs, kept ones too (their
+    code runs, their kernels do not)."""
+    from dataclasses import replace
+
+    from monet_cli.core.segments import SegmentModel
+
+    costs = replace(resnet18_profile.overheads, python_op_ms=0.02)
+    model = SegmentModel(replace(resnet18_profile, overheads=costs))
+    ops = resnet18_profile.ops
+    for call, seg in model.segments.items():
+        if seg.burst_pos is None:
+            continue
+        rerun = range(seg.first_op, seg.stop)
+        assert model.recompute_ms(call) == pytest.approx(sum(ops[i].time_ms for i in rerun) + 0.02 * len(rerun))
+        for kept in seg.candidates[:1]:
+            saved = model.recompute_ms(call) - model.recompute_ms(call, frozenset({kept}))
+            assert saved == pytest.approx(ops[kept].time_ms)
+
+
 def test_checkpoint_machinery_is_priced_per_saved_tensor(resnet18_profile):
     """Each tensor a frame saves costs a pack, a second pack in the recompute and an unpack:
     the profile measures that apart from the fixed cost of a checkpointed call. An op range's

@@ -166,30 +166,32 @@ def test_every_range_replays_under_autocast_within_its_prediction():
         assert report.check.mode == "exact" and report.check.ok, (name, report.check)
 
 
-def test_ranges_are_priced_on_the_model_s_own_code(range_net_profile, monkeypatch):
-    """The module with the most own ops among those holding ranges runs alone under plain
-    checkpoint and as one range over its forward; the difference per own op is the price. Where
-    only the model itself holds ranges (range_net) or the module cannot run alone, the price
-    stays the chain's (with a warning for the second)."""
-    from monet_cli.profiler import range_probe
+def test_recomputes_and_ranges_are_priced_on_the_model_s_own_code(range_net_profile, monkeypatch):
+    """The module with the most own ops among those holding ranges runs alone: plain, under
+    plain checkpoint and as one range over its forward. Where only the model itself holds
+    ranges (range_net) or the module cannot run alone, the generic prices stay (with a warning
+    for the second)."""
+    from monet_cli.profiler import probe
     from monet_cli.workload.resolve import Overrides, resolve_model_spec
 
     spec = resolve_model_spec("configs/gpt.yaml", Overrides(batch_size=2))
     profile = profile_model(spec, CPU, steps=1)
-    decision, own = range_probe._probe(SegmentModel(profile))
-    assert decision.within.startswith("blocks.") and own >= range_probe.MIN_OWN_OPS
-    assert decision.calls[:3] == (f"{decision.within}.ln1", f"{decision.within}.qkv", f"{decision.within}.proj")
-    assert profile.overheads.range_op_ms > 0
+    found = probe._probe(SegmentModel(profile))
+    block = found.range.within
+    assert block.startswith("blocks.") and found.range.own_ops >= probe.MIN_OWN_OPS
+    assert profile.calls[found.call].fqn == block and found.range.calls[:3] == (f"{block}.ln1", f"{block}.qkv",
+                                                                              f"{block}.proj")
+    assert profile.overheads.range_op_ms > 0 and profile.overheads.python_op_ms >= 0
     workload = build_workload(spec, CPU)
-    assert range_probe.measure_range_op_ms(workload, profile) > 0
-    assert range_probe._probe(SegmentModel(range_net_profile)) is None
+    assert probe.probe_overheads(workload, profile).range_op_ms > 0
+    assert probe._probe(SegmentModel(range_net_profile)) is None
 
     def fails(*_args):
         raise RuntimeError("needs its parent")
 
-    monkeypatch.setattr(range_probe, "_added_ms", fails)
-    with pytest.warns(UserWarning, match="op ranges keep the generic price per op: timing 'blocks.* alone failed"):
-        assert range_probe.measure_range_op_ms(workload, profile) is None
+    monkeypatch.setattr(probe, "_timed", fails)
+    with pytest.warns(UserWarning, match="checkpointing keeps its generic prices: timing 'blocks.* alone failed"):
+        assert probe.probe_overheads(workload, profile) == profile.overheads
 
 
 def test_a_range_refuses_another_op_sequence_and_leaves_nothing_behind(range_net_profile, tmp_path):

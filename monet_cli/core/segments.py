@@ -396,13 +396,15 @@ class SegmentModel:
         return stop, min(unpacks) if unpacks else None, frame_end, saves
 
     def recompute_ms(self, call_index: int, kept: frozenset[int] = frozenset(), frame: Frame | None = None) -> float:
-        """Profiled time of the ops a segment's recompute re-runs (as ``frame`` when nested)."""
+        """Profiled time of the ops a segment's recompute re-runs (as ``frame`` when nested), and
+        of the forward code that runs again around each of them."""
         seg = self.segments[call_index]
         stop, burst_pos = (frame.stop, frame.burst_pos) if frame else (seg.stop, seg.burst_pos)
         if burst_pos is None:
             return 0.0
         ops = self.profile.ops
-        return sum((ops[i].time_ms for i in range(seg.first_op, stop) if i not in kept), 0.0)
+        code = self.profile.overheads.python_op_ms * (stop - seg.first_op)
+        return sum((ops[i].time_ms for i in range(seg.first_op, stop) if i not in kept), code)
 
     def overhead_ms(self, call_index: int, kept: frozenset[int] = frozenset(), frame: Frame | None = None) -> float:
         """Checkpoint machinery time of a segment: the call, each tensor saved through its

@@ -32,7 +32,7 @@ from monet_cli.core.variants import find_sites
 from monet_cli.errors import ModelError
 from monet_cli.profiler.capture import LifetimeRecorder, OpTimer, StepRecorder, Timings
 from monet_cli.profiler.overheads import measure_overheads
-from monet_cli.profiler.range_probe import measure_range_op_ms
+from monet_cli.profiler.probe import probe_overheads
 from monet_cli.profiler.rehearse import Rehearsal
 from monet_cli.profiler.transfer import measure_transfer
 from monet_cli.profiler.variants import measure_variants
@@ -89,10 +89,8 @@ def profile_model(
         reasons[call.index] = reasons[call.index] or differs.get(call.fqn, "")
     profile = replace(build_profile(workload, recorder, lifetimes, timings, measurement.peak_bytes, measurement.meter,
                                     reasons), overheads=overheads)
-    progress("pricing op ranges on the model's own code")
-    range_op_ms = run_checked(lambda: measure_range_op_ms(workload, profile), "timing an op range")
-    if range_op_ms is not None:
-        profile = replace(profile, overheads=replace(overheads, range_op_ms=range_op_ms))
+    progress("pricing recomputes and op ranges on the model's own code")
+    profile = replace(profile, overheads=run_checked(lambda: probe_overheads(workload, profile), "timing a module alone"))
     progress("measuring operator variants")
     variants = run_checked(lambda: measure_variants(workload, find_sites(profile)), "measuring operator variants")
     return replace(profile, transfer=transfer, variants=variants)

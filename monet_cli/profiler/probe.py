@@ -1,0 +1,170 @@
+"""Price checkpointing on the model's own code: what a recompute and an op range really cost.
+
+The profile prices a recompute at its ops' timed sum, and an op range's tape on a chain of
+one-argument ops (``overheads.py``). On a real block both fall short: a recompute runs the
+forward's code again (module calls, the model's Python, autograd's graph), which no op timer
+sees; and the model's own ops cost the tape more than tanh does (views with size lists,
+transposes, splits into lists). On tiny_gpt (batch 16, on a fast spell of this machine) a
+checkpointed block took 8.9 ms where its ops summed to 7.0; a range's recorder took about 45
+us per own op in the forward, where the chain priced recording and replay together at 2 to
+34 us.
+
+So where the profile offers ranges, the module holding the most own ops among their modules
+is run alone, on copies, on the inputs it gets in the step, forward and backward, interleaved:
+as PyTorch runs it, under plain checkpoint, and as one op range over its whole forward.
+Checkpoint minus plain, beyond what the profile prices (its ops, the frame and its saved
+tensors), divided by the ops the recompute re-runs, is the code cost of each re-run op. The
+range minus checkpoint (both re-run the same ops under the same frame: the range adds its
+tape) divided by its own ops is the tape's price per own op.
+"""
+
+from __future__ import annotations
+
+import copy
+import statistics
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils.checkpoint import checkpoint
+
+from monet_cli.core.profile import ModuleCall, Overheads, Profile
+from monet_cli.core.schedule import SegmentDecision
+from monet_cli.core.segments import SegmentModel
+from monet_cli.runtime.meter import MachineryMarker
+from monet_cli.runtime.ranges import RangeSegment
+from monet_cli.workload.step import Workload
+
+MIN_OWN_OPS = 8
+"""Fewer own ops than this leave the generic prices: timing noise would be most of the range's."""
+ROUNDS = 21
+"""Interleaved runs of each version, after one warm-up run of each."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class _Probe:
+    call: int
+    """The module's call in the profile (a segment candidate)."""
+    range: SegmentDecision
+    """One op range over its whole forward."""
+
+
+def probe_overheads(workload: Workload, profile: Profile) -> Overheads:
+    """``profile.overheads`` with the recompute's code cost and the range's price taken on the
+    model's own code, where a module qualifies (else unchanged; a warning says why when the
+    module cannot run alone)."""
+    model = SegmentModel(profile)
+    probe = _probe(model)
+    if probe is None:
+        return profile.overheads
+    try:
+        plain_ms, checkpoint_ms, range_ms = _timed(workload, probe.range)
+    except Exception as err:  # a module that cannot run alone: the model's own step is not at stake
+        warnings.warn(f"monet: checkpointing keeps its generic prices: timing '{probe.range.within}' alone failed "
+                      f"({type(err).__name__}: {err})", stacklevel=2)
+        return profile.overheads
+    seg = model.segments[probe.call]
+    priced = model.recompute_ms(probe.call) + model.overhead_ms(probe.call)
+    rerun = seg.stop - seg.first_op
+    return replace(
+        profile.overheads,
+        python_op_ms=round(max(0.0, (checkpoint_ms - plain_ms - priced) / rerun), 6),
+        range_op_ms=round(max(0.0, (range_ms - checkpoint_ms) / probe.range.own_ops), 6),
+    )
+
+
+def _probe(model: SegmentModel) -> _Probe | None:
+    """Among the segment candidates holding offered ranges (not the model itself: it cannot
+    run alone), the one with the most own ops, if it has at least ``MIN_OWN_OPS``."""
+    profile = model.profile
+    children: dict[int, list[ModuleCall]] = {}
+    for call in profile.calls:
+        if call.parent is not None:
+            children.setdefault(call.parent, []).append(call)
+    best: tuple[int, _Probe] | None = None
+    for parent in {r.parent for c, r in model.ranges.items() if c in model.segments}:
+        module = profile.calls[parent]
+        if module.parent is None or parent not in model.segments:
+            continue
+        calls = sorted(children.get(parent, []), key=lambda c: c.first_op)
+        inside = {op for c in calls for op in range(c.first_op, c.end_op)}
+        own = sum(op not in inside for op in range(module.first_op, module.end_op))
+        if own >= MIN_OWN_OPS and (best is None or own > best[0]):
+            whole = SegmentDecision(
+                module=module.fqn, call=parent, first_op=module.first_op, end_op=module.end_op, recompute_ms=0.0,
+                within=module.fqn, calls=tuple(c.fqn for c in calls), own_ops=own)
+            best = (own, _Probe(call=parent, range=whole))
+    return best[1] if best else None
+
+
+def _timed(workload: Workload, whole: SegmentDecision) -> tuple[float, float, float]:
+    """Median ms of the module's forward and backward: plain, under checkpoint, as the range."""
+    module = dict(workload.model.named_modules())[whole.within]
+    inputs = _inputs_of(workload, module)
+    plain, checkpointed, ranged = (copy.deepcopy(module) for _ in range(3))
+    inside = dict(ranged.named_modules())
+    calls = [inside[path.removeprefix(f"{whole.within}.")] for path in whole.calls]
+    RangeSegment(whole, ranged, calls, MachineryMarker()).install()
+    runs = (_step(plain, inputs), _step(checkpointed, inputs, checkpointed=True), _step(ranged, inputs))
+    rounds = _interleaved(runs, workload)
+    return tuple(statistics.median(column) for column in zip(*rounds))  # type: ignore[return-value]
+
+
+def _inputs_of(workload: Workload, module: nn.Module) -> tuple[tuple, dict]:
+    """What ``module`` is called with in the step, from one eval-mode forward without grad (it
+    changes no BatchNorm statistics): floating tensors as leaves that take gradients."""
+    taken: list[tuple[tuple, dict]] = []
+
+    def take(_module: nn.Module, args: tuple, kwargs: dict) -> None:
+        taken.append(tree_map(_leaf, (args, kwargs)))
+
+    handle = module.register_forward_pre_hook(take, with_kwargs=True)
+    was_training = workload.model.training
+    workload.model.eval()
+    try:
+        with torch.no_grad(), workload.autocast():
+            workload.run_model()
+    finally:
+        workload.model.train(was_training)
+        handle.remove()
+    (inputs,) = taken  # a segment candidate is called once per step
+    return inputs
+
+
+def _leaf(value: Any) -> Any:
+    if not isinstance(value, torch.Tensor):
+        return value
+    return value.detach().clone().requires_grad_(value.is_floating_point())
+
+
+def _step(module: nn.Module, inputs: tuple[tuple, dict], *, checkpointed: bool = False) -> Callable[[], None]:
+    args, kwargs = inputs
+
+    def run() -> None:
+        output = checkpoint(module, *args, use_reentrant=False, **kwargs) if checkpointed else module(*args, **kwargs)
+        outputs = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+        torch.stack([t.float().sum() for t in outputs]).sum().backward()
+
+    return run
+
+
+def _interleaved(runs: tuple[Callable[[], None], ...], workload: Workload) -> list[list[float]]:
+    """Each round's ms of every run, one after the other (the first round warms up)."""
+    rounds = []
+    for repeat in range(ROUNDS + 1):
+        times = []
+        for run in runs:
+            workload.sync()
+            start = time.perf_counter()
+            with workload.autocast():
+                run()
+            workload.sync()
+            times.append((time.perf_counter() - start) * 1000)
+        if repeat:
+            rounds.append(times)
+    return rounds

@@ -194,6 +194,43 @@ def test_recomputes_and_ranges_are_priced_on_the_model_s_own_code(range_net_prof
         assert probe.probe_overheads(workload, profile) == profile.overheads
 
 
+def test_a_mode_a_call_pushes_in_its_pre_hook_stays_on_top(range_net_profile):
+    """The recorder steps off the mode stack while a call runs only when it is on top: a mode a
+    hook pushed above it (registered before the range's hooks: a user's op counter, say) stays,
+    sees the call's ops as without the schedule, and the gradients equal the unmodified model's."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from monet_cli.runtime.executor import apply_schedule
+
+    class Counting(TorchDispatchMode):
+        seen = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Counting.seen += 1
+            return func(*args, **(kwargs or {}))
+
+    model = SegmentModel(range_net_profile)
+    call = _ranges(model)["<model>[3:14]"]
+    schedule = build_schedule(range_net_profile, {call: frozenset()}, budget_bytes=range_net_profile.baseline.peak_bytes * 2,
+                              budget_spec="2x", solver=INFO, profile_sha256="", model=model)
+    assert "bn" in schedule.segments[0].calls
+    grads, seen = [], []
+    modes: list[TorchDispatchMode] = []
+    for scheduled in (False, True):
+        workload = build_workload(_range_net_spec(), CPU)
+        workload.model.bn.register_forward_pre_hook(lambda *_: modes.append(Counting().__enter__()))
+        workload.model.bn.register_forward_hook(lambda *_: modes.pop().__exit__(None, None, None))
+        if scheduled:
+            apply_schedule(workload.model, schedule)
+        torch.manual_seed(0)
+        workload.zero_grad()
+        Counting.seen = 0
+        workload.step(lambda phase, _loss: seen.append(Counting.seen) if phase == "backward" else None)
+        grads.append([p.grad.clone() for p in workload.model.parameters()])
+    assert seen[0] > 0 and seen[1] == seen[0]  # in the forward
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
 def test_a_range_refuses_another_op_sequence_and_leaves_nothing_behind(range_net_profile, tmp_path):
     model = SegmentModel(range_net_profile)
     schedule = build_schedule(range_net_profile, {_ranges(model)["<model>[13:21]"]: frozenset()},

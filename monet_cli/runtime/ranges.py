@@ -30,7 +30,7 @@ from typing import Any, NamedTuple
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes, _get_current_dispatch_mode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.checkpoint import noop_context_fn
 
@@ -83,15 +83,29 @@ class _Tape:
 
 
 class _Recorder(TorchDispatchMode):
-    """Writes the module's own ops to the tape while the range runs. It is off the mode stack
-    while the module's calls run: their ops are theirs, and pass at no cost."""
+    """Writes the module's own ops to the tape while the range runs. It steps off the mode
+    stack while the module's calls run (their ops are theirs, and pass at no cost), unless
+    another mode was pushed above it: then it stays, and lets their ops through."""
 
     def __init__(self, owner: RangeSegment) -> None:
         super().__init__()
         self.owner = owner
+        self.paused = False
+
+    def pause(self) -> None:
+        if _get_current_dispatch_mode() is self:
+            self.__exit__(None, None, None)
+            self.paused = True
+
+    def resume(self) -> None:
+        if self.paused:
+            self.__enter__()
+            self.paused = False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if self.owner.in_call is not None:
+            return func(*args, **kwargs)
         leaves, layout = _op_leaves(args, kwargs)
         entry = self.owner.entry(func, leaves, layout, written=_written(func, args, kwargs), grad=torch.is_grad_enabled())
         out = func(*args, **kwargs)
@@ -230,13 +244,13 @@ class RangeSegment:
             self.in_call = module
             leaves, spec = tree_flatten((args, kwargs))
             self.call_entry = self.entry(module, leaves, spec, is_call=True)
-            self.mode.__exit__(None, None, None)
+            self.mode.pause()
 
     def _call_ends(self, module: nn.Module, args: tuple, output: Any) -> None:
         if self.frame is None or self.in_call is not module or self.replaying:
             return
         self.in_call = None
-        self.mode.__enter__()
+        self.mode.resume()
         self.made(self.call_entry, output)
         if self.decision.closes_at_call and sum(e.is_call for e in self.tape.entries) == len(self.calls):
             self._close_checked()
@@ -302,7 +316,7 @@ class RangeSegment:
     def _stop_recording(self) -> None:
         if self.mode is not None:
             mode, self.mode = self.mode, None
-            if self.in_call is None:  # else a call raised, and the recorder is off the stack already
+            if not mode.paused:  # paused: a call raised, and the recorder is off the stack already
                 mode.__exit__(None, None, None)
         self.watch.clear()
         self.ids = {}

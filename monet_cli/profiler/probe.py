@@ -116,21 +116,17 @@ def _timed(workload: Workload, whole: SegmentDecision) -> tuple[float, float, fl
 
 
 def _inputs_of(workload: Workload, module: nn.Module) -> tuple[tuple, dict]:
-    """What ``module`` is called with in the step, from one eval-mode forward without grad (it
-    changes no BatchNorm statistics): floating tensors as leaves that take gradients."""
+    """What ``module`` is called with in the step, from ``Workload.observe_forward``: floating
+    tensors as leaves that take gradients."""
     taken: list[tuple[tuple, dict]] = []
 
     def take(_module: nn.Module, args: tuple, kwargs: dict) -> None:
         taken.append(tree_map(_leaf, (args, kwargs)))
 
     handle = module.register_forward_pre_hook(take, with_kwargs=True)
-    was_training = workload.model.training
-    workload.model.eval()
     try:
-        with torch.no_grad(), workload.autocast():
-            workload.run_model()
+        workload.observe_forward()
     finally:
-        workload.model.train(was_training)
         handle.remove()
     (inputs,) = taken  # a segment candidate is called once per step
     return inputs

@@ -94,18 +94,13 @@ class _SiteModules:
 
 
 def _input_shapes(workload: Workload, paths: list[str]) -> dict[str, torch.Size]:
-    """The input shape of each module in ``paths``, from one eval-mode forward (which changes
-    no BatchNorm statistics)."""
+    """The input shape of each module in ``paths``, from ``Workload.observe_forward``."""
     shapes: dict[str, torch.Size] = {}
     modules = dict(workload.model.named_modules())
     handles = [modules[path].register_forward_pre_hook(_shape_hook(shapes, path)) for path in paths]
-    was_training = workload.model.training
-    workload.model.eval()
     try:
-        with torch.no_grad(), workload.autocast():
-            workload.run_model()
+        workload.observe_forward()
     finally:
-        workload.model.train(was_training)
         for handle in handles:
             handle.remove()
     return shapes

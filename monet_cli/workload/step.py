@@ -229,6 +229,17 @@ class Workload:
         with self.autocast():
             return (self.model if model is None else model)(*args, **kwargs)
 
+    def observe_forward(self) -> None:
+        """One eval-mode forward without grad, for hooks that look at what modules are given
+        (it changes no BatchNorm statistics)."""
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with torch.no_grad():
+                self.run_model()
+        finally:
+            self.model.train(was_training)
+
     def forward_loss(self) -> torch.Tensor:
         args, kwargs = self.call_args()
         with self.autocast():

@@ -10,7 +10,7 @@ import contextlib
 import importlib
 import os
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -286,7 +286,15 @@ class Workload:
     def resident_tensors(self) -> list[tuple[torch.Tensor, str]]:
         """Every tensor this workload keeps between steps (parameters, gradients, buffers,
         optimizer state, data), with its kind of memory."""
-        return preexisting_tensors(self.model, self.optimizer, self.data_tensors())
+        found: list[tuple[torch.Tensor, str]] = []
+        found += [(p, "param") for p in self.model.parameters()]
+        found += [(p.grad, "grad") for p in self.model.parameters() if p.grad is not None]
+        found += [(b, "buffer") for b in self.model.buffers()]
+        if self.optimizer is not None:
+            for state in self.optimizer.state.values():
+                found += [(v, "optimizer") for v in state.values() if isinstance(v, torch.Tensor)]
+        found += [(t, "input") for t in self.data_tensors()]
+        return found
 
     def sync(self) -> None:
         if self.device.type == "cuda":
@@ -294,23 +302,6 @@ class Workload:
 
     def data_tensors(self) -> list[torch.Tensor]:
         return [*self.inputs, *self.loss_fn.tensors()]
-
-
-def preexisting_tensors(
-    module: nn.Module,
-    optimizer: torch.optim.Optimizer | None,
-    extra: Iterable[torch.Tensor] = (),
-) -> list[tuple[torch.Tensor, str]]:
-    """Every tensor alive before a step starts, with the kind of memory it is."""
-    found: list[tuple[torch.Tensor, str]] = []
-    found += [(p, "param") for p in module.parameters()]
-    found += [(p.grad, "grad") for p in module.parameters() if p.grad is not None]
-    found += [(b, "buffer") for b in module.buffers()]
-    if optimizer is not None:
-        for state in optimizer.state.values():
-            found += [(v, "optimizer") for v in state.values() if isinstance(v, torch.Tensor)]
-    found += [(t, "input") for t in extra]
-    return found
 
 
 class loss_scope:

@@ -49,12 +49,24 @@ class OpRange:
     """Activation storages made before the range that it reads: held until its backward is done."""
 
 
-def op_ranges(profile: Profile, chains: list[tuple[ModuleCall, ...]]) -> list[OpRange]:
-    """Every range the solver may choose, in forward order (none repeats a chain's span)."""
+def calls_made(profile: Profile) -> dict[int, list[ModuleCall]]:
+    """Each call that makes calls -> the calls it makes, in forward order."""
     children: dict[int, list[ModuleCall]] = defaultdict(list)
     for call in profile.calls:
         if call.parent is not None:
             children[call.parent].append(call)
+    return {parent: sorted(calls, key=lambda c: c.first_op) for parent, calls in children.items()}
+
+
+def own_op_count(parent: ModuleCall, calls: list[ModuleCall]) -> int:
+    """How many of ``parent``'s ops run outside the ``calls`` it makes."""
+    inside = {op for c in calls for op in range(c.first_op, c.end_op)}
+    return sum(op not in inside for op in range(parent.first_op, parent.end_op))
+
+
+def op_ranges(profile: Profile, chains: list[tuple[ModuleCall, ...]]) -> list[OpRange]:
+    """Every range the solver may choose, in forward order (none repeats a chain's span)."""
+    children = calls_made(profile)
     called = defaultdict(int)
     for call in profile.calls:
         called[call.fqn] += 1
@@ -63,7 +75,6 @@ def op_ranges(profile: Profile, chains: list[tuple[ModuleCall, ...]]) -> list[Op
     ranges = []
     for parent, calls in sorted(children.items()):
         if called[profile.calls[parent].fqn] == 1 and len(calls) <= MAX_RANGE_CALLS:
-            calls = sorted(calls, key=lambda c: c.first_op)
             ranges += [r for r in _ranges_in(profile, profile.calls[parent], calls, held, set(children), called)
                        if (r.first_op, r.end_op) not in taken]
     return sorted(ranges, key=lambda r: (r.first_op, -r.end_op))

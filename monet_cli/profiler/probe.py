@@ -33,7 +33,8 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.checkpoint import checkpoint
 
-from monet_cli.core.profile import ModuleCall, Overheads, Profile
+from monet_cli.core.profile import Overheads, Profile
+from monet_cli.core.ranges import calls_made, own_op_count
 from monet_cli.core.schedule import SegmentDecision
 from monet_cli.core.segments import SegmentModel
 from monet_cli.runtime.meter import MachineryMarker
@@ -82,18 +83,14 @@ def _probe(model: SegmentModel) -> _Probe | None:
     """Among the segment candidates holding offered ranges (not the model itself: it cannot
     run alone), the one with the most own ops, if it has at least ``MIN_OWN_OPS``."""
     profile = model.profile
-    children: dict[int, list[ModuleCall]] = {}
-    for call in profile.calls:
-        if call.parent is not None:
-            children.setdefault(call.parent, []).append(call)
+    children = calls_made(profile)
     best: tuple[int, _Probe] | None = None
     for parent in {r.parent for c, r in model.ranges.items() if c in model.segments}:
         module = profile.calls[parent]
         if module.parent is None or parent not in model.segments:
             continue
-        calls = sorted(children.get(parent, []), key=lambda c: c.first_op)
-        inside = {op for c in calls for op in range(c.first_op, c.end_op)}
-        own = sum(op not in inside for op in range(module.first_op, module.end_op))
+        calls = children[parent]
+        own = own_op_count(module, calls)
         if own >= MIN_OWN_OPS and (best is None or own > best[0]):
             whole = SegmentDecision(
                 module=module.fqn, call=parent, first_op=module.first_op, end_op=module.end_op, recompute_ms=0.0,

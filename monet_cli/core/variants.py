@@ -153,21 +153,26 @@ def _called_once(profile: Profile) -> dict[str, bool]:
     return {fqn: n == 1 for fqn, n in counts.items()}
 
 
+def _outputs(profile: Profile, op: int) -> list[StorageRecord]:
+    """The activation storages op ``op`` makes."""
+    return [s for s in profile.storages if s.producer == op and s.kind == "activation"]
+
+
 def _largest_output(profile: Profile, op: int) -> int | None:
-    made = [s for s in profile.storages if s.producer == op and s.kind == "activation"]
+    made = _outputs(profile, op)
     return max(made, key=lambda s: s.bytes).id if made else None
 
 
 def _statistic_bytes(profile: Profile, bn: int) -> int:
     """Bytes of one per-channel statistic the BatchNorm op ``bn`` returns (its batch mean): the
     second largest of its outputs, after the normalised tensor."""
-    made = sorted((s.bytes for s in profile.storages if s.producer == bn and s.kind == "activation"), reverse=True)
+    made = sorted((s.bytes for s in _outputs(profile, bn)), reverse=True)
     return made[1] if len(made) > 1 else 0
 
 
 def _indices(profile: Profile, owner: list[int | None], pool: int) -> int | None:
     """The pooling's indices: the output its own node keeps (the pooled values are not kept by it)."""
-    made = {s.id for s in profile.storages if s.producer == pool and s.kind == "activation"}
+    made = {s.id for s in _outputs(profile, pool)}
     kept = [p.storage for p in profile.packs if p.storage in made and p.call == owner[pool]]
     return kept[0] if len(set(kept)) == 1 else None
 

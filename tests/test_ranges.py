@@ -43,14 +43,14 @@ def range_net_profile():
     return profile_model(_range_net_spec(), CPU, steps=1)
 
 
-def _check(profile, plan, *, exact: bool = True):
+def _check(profile, plan, *, exact: bool = True, below: int = 4):
     """One step op by op against the simulator; two steps against the unmodified model
     (gradients, updated parameters and buffers, bit for bit).
 
     Not ``exact``: a recomputed tensor that an addmm saved dies when backward has used it,
     a few ops before the node that saved it is released (checkpoint hands it over on
     unpack; the simulator holds it to the release the profile measured): below the
-    prediction at those few points, never above."""
+    prediction at those few points (at most ``below``), never above."""
     model = SegmentModel(profile)
     schedule = build_schedule(profile, plan, budget_bytes=profile.baseline.peak_bytes * 2, budget_spec="2x",
                               solver=INFO, profile_sha256="", model=model)
@@ -61,7 +61,7 @@ def _check(profile, plan, *, exact: bool = True):
     else:
         assert len(report.timeline) == len(predicted)
         assert all(measured <= live for measured, live in zip(report.timeline, predicted))
-        assert sum(measured < live for measured, live in zip(report.timeline, predicted)) <= 4
+        assert sum(measured < live for measured, live in zip(report.timeline, predicted)) <= below
     checked = run_apply(schedule, CPU, steps=2, check=True)
     assert checked.check.grads_match and checked.check.params_match and checked.check.buffers_match
     return schedule
@@ -101,8 +101,6 @@ def test_crossing_ranges_are_never_chosen_together(range_net_profile):
         simulate(range_net_profile, {a: frozenset(), b: frozenset()}, model=model)
     lowest = Planner(model, variants=False).minimum_peak(time_limit_s=10, workers=1, seed=0)
     assert not any(x in lowest.plan and y in lowest.plan for x, y in model.crossing_pairs)
-    # A range is never the inner segment of a nested pair: it holds what it reads itself.
-    assert not any(inner in model.ranges for _, inner in model.nest_pairs)
 
 
 @pytest.mark.parametrize(("name", "exact"), [
@@ -130,6 +128,23 @@ def test_ranges_in_a_resnet_and_a_range_holding_a_nested_segment(resnet18_profil
     _check(resnet18_profile, {outer: frozenset(), inner: frozenset()})
 
 
+def test_a_range_nested_in_its_block_s_segment_holds_the_simulator_op_by_op(resnet18_profile):
+    """The tape saves what the range read through the block's frame when it closes: the block
+    drops those tensors in the forward and makes them again in its recompute, which runs the
+    range as a checkpoint. Before, the tape held them to the end of the step."""
+    model = SegmentModel(resnet18_profile)
+    nested = [(outer, inner) for outer, inner in model.nest_pairs if inner in model.ranges]
+    assert all(model.calls[outer].fqn == model.calls[model.ranges[inner].parent].fqn for outer, inner in nested)
+    blocks = {model.calls[outer].fqn for outer, _ in nested}
+    assert {"layer1.1", "layer2.0", "layer3.0", "layer4.1"} <= blocks
+    # layer2.0's residual add and last ReLU, its downsample branch included; then the range from conv1 to bn2.
+    for block, first_call in (("layer2.0", "layer2.0.bn2"), ("layer3.0", "layer3.0.conv1")):
+        inner = next(i for o, i in nested if model.calls[o].fqn == block
+                     and model.ranges[i].first_op == next(c.first_op for c in resnet18_profile.calls if c.fqn == first_call))
+        outer = next(o for o, i in nested if i == inner)
+        _check(resnet18_profile, {outer: frozenset(), inner: frozenset()})
+
+
 def test_an_attention_range_recomputes_the_same_dropout_mask():
     from monet_cli.workload.resolve import Overrides, resolve_model_spec
 
@@ -141,6 +156,11 @@ def test_an_attention_range_recomputes_the_same_dropout_mask():
     smallest = min(around, key=lambda c: model.ranges[c].end_op - model.ranges[c].first_op)
     assert [profile.calls[c].fqn for c in model.ranges[smallest].calls] == ["blocks.1.qkv", "blocks.1.proj"]
     _check(profile, {smallest: frozenset()}, exact=False)  # proj is an addmm
+    # Nested in the block's segment: the mask is drawn a third time, in the block's recompute.
+    # (The block's segment alone is below the prediction at 8 points, for its four addmms.)
+    block = next(c.index for c in profile.calls if c.fqn == "blocks.1")
+    assert (block, smallest) in model.nest_pairs
+    _check(profile, {block: frozenset(), smallest: frozenset()}, exact=False, below=8)
 
 
 def test_every_range_replays_under_autocast_within_its_prediction():

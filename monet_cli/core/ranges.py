@@ -13,9 +13,10 @@ least makes calls of its own (a block of a stage). Spans of leaf calls alone are
 sibling chains (``segments.sibling_chains``): in a ResNet's blocks they are four ranges in
 five, and the solver slows with the candidates far more than the floor gains from them.
 
-What a range reads from before it (external tensors) is held by its recompute until its
-backward is done, as checkpoint holds its arguments; so a range is never the inner segment
-of a nested pair, where an outer frame would be expected to drop those.
+What a range reads from before it (external tensors) is saved when the range closes, as
+checkpoint saves its arguments: held until its backward is done or, nested in an outer
+segment, saved by the outer frame, which drops it and makes it again in its recompute. That
+recompute therefore runs to the range's end (the range runs inside it, as a checkpoint).
 """
 
 from __future__ import annotations

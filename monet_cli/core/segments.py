@@ -44,8 +44,10 @@ SAC_IGNORED_OPS = frozenset({
 VARIANT_MODELS_CACHED = 8
 """Variant sets whose rewritten profile ``SegmentModel.with_variants`` keeps (a solve checks a few)."""
 
-MAX_NESTED_CHILDREN = 8
-"""A segment with more sub-segments than this (a stack of layers) holds none nested."""
+MAX_NESTED_CHILDREN = 24
+"""A segment with more sub-segments than this (a stack of layers) holds none nested. A block
+offers about 20 with its op ranges (tiny_gpt's 22, a ResNet Bottleneck's 19); a stage of
+blocks offers more."""
 
 
 CHAIN = "chain"
@@ -141,6 +143,8 @@ class Frame:
     frame_end: int
     saves: int
     """Tensors saved through this frame's hooks: its own saves and nested calls' arguments."""
+    recorded_again: int
+    """Own ops of a nested op range that this frame's recompute runs, and so records, again."""
     outer: int | None
     """The chosen segment this one is nested in."""
     order: tuple[int, int]
@@ -341,10 +345,11 @@ class SegmentModel:
         holding one): the pairs grow with the number of segments, and each pair's rows with
         its outer's size, not the model's. An inner segment that saves only its arguments (a
         Linear) is left out: nested, the outer would save the same tensors for it, and its
-        recompute would only add time. A range is never the inner one (``core/ranges.py``)."""
+        recompute would only add time. A range nested in an outer segment saves what it read
+        through the outer frame when it closes (``core/ranges.py``)."""
         bursting = {c for c, seg in self.segments.items() if seg.burst_pos is not None}
         candidates = []
-        for inner in sorted(bursting - self.ranges.keys()):
+        for inner in sorted(bursting):
             enclosing = [a for a in self.ancestors[inner][1:] if a in self.segments]
             for ranges in (False, True):
                 outer = next((a for a in enclosing if (a in self.ranges) == ranges), None)
@@ -372,13 +377,15 @@ class SegmentModel:
         for c in plan:
             seg = self.segments[c]
             stop, burst_pos, frame_end, saves = seg.stop, seg.burst_pos, seg.frame_end, len(seg.packs)
-            if inner[c]:
-                stop, burst_pos, frame_end, saves = self._outer_frame(seg, [self.segments[i] for i in inner[c]])
+            nested = [self.segments[i] for i in inner[c]]
+            if nested:
+                stop, burst_pos, frame_end, saves = self._outer_frame(seg, nested)
             depth = sum(1 for a in self.ancestors[c][1:] if a in plan)
             top = next((a for a in reversed(self.ancestors[c]) if a in plan), c)
             frames[c] = Frame(
                 call=c, first_op=seg.first_op, end_op=seg.end_op, stop=stop, burst_pos=burst_pos,
                 frame_end=frame_end, saves=saves, outer=outer[c], order=(-self.segments[top].first_op, depth),
+                recorded_again=sum(n.range.own_ops for n in nested if n.range),
             )
         return frames
 
@@ -388,7 +395,7 @@ class SegmentModel:
         packs = self.profile.packs
         inside = {p for n in nested for p in n.packs}
         own = [p for p in seg.packs if p not in inside]
-        stop = max([packs[p].pos for p in own] + [n.first_op for n in nested])
+        stop = max([packs[p].pos for p in own] + [n.end_op if n.range else n.first_op for n in nested])
         unpacks = [packs[p].unpack for p in own if packs[p].unpack is not None]
         unpacks += [n.burst_pos for n in nested if n.burst_pos is not None]
         frame_end = max([self.release(p) for p in own] + [n.frame_end for n in nested])
@@ -410,11 +417,13 @@ class SegmentModel:
         """Checkpoint machinery time of a segment: the call, each tensor saved through its
         frame (as ``frame`` when nested), and per op: the selective policy's dispatch modes, in
         forward and recompute, when it keeps ops; for an op range, the tape's recording and
-        replay of its own ops (its recorder is off while its calls run)."""
+        replay of its own ops (its recorder is off while its calls run), and a nested range's
+        recording again in an outer recompute."""
         seg = self.segments[call_index]
         costs = self.profile.overheads
-        saves = frame.saves if frame else len(seg.packs)
-        fixed = costs.segment_ms + costs.saved_tensor_ms * saves
+        saves, recorded_again = (frame.saves, frame.recorded_again) if frame else (len(seg.packs), 0)
+        # A nested range recorded again is priced at a whole record and replay: an upper bound.
+        fixed = costs.segment_ms + costs.saved_tensor_ms * saves + costs.range_op_ms * recorded_again
         if seg.range:
             return fixed + costs.range_op_ms * seg.range.own_ops
         return fixed + (costs.policy_op_ms * 2 * (seg.end_op - seg.first_op) if kept else 0.0)

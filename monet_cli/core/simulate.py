@@ -16,7 +16,8 @@ freed at recorded positions; a schedule moves those events:
   saved tensor is released (checkpoint holds its inputs);
 - under a nested segment's outer frame, the inner call's arguments are saved by the outer
   frame instead: the outer recompute makes them again and they live until the inner
-  recompute has taken them (and until its own saves of them are released).
+  recompute has taken them (and until its own saves of them are released). An op range
+  saves what it read when it closes, so an outer recompute runs through it.
 
 Operator variants change the profile itself (``monet_cli/core/variants.py``): a plan with
 variants is the plan simulated on the profile rewritten as if they ran.
@@ -283,9 +284,10 @@ class _Events:
                 copy_holds[segment].append(release)
         for call in self.nested_inputs.get(s.id, ()):
             self._argument_hold(s, self.frames[call], None, holds, copy_holds)
-            if call in self.model.members:
-                # The checkpoint generator a chain drives holds its arguments until its
-                # last call returns, though the outer frame dropped what it saved of them.
+            if call in self.model.members or call in self.model.ranges:
+                # The checkpoint generator a chain drives holds its arguments until its last
+                # call returns, and a range's tape what it read until it closes, though the
+                # outer frame dropped what it saved of them.
                 holds.append((self.frames[call].end_op, 0))
         if kept:
             holds.append(self.burst_end(owner))  # the selective policy's cache

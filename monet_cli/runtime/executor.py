@@ -61,9 +61,10 @@ def apply_schedule(model: nn.Module, schedule: Schedule | str | Path, *, check_f
         make_out_of_place(model)
     modules = dict(model.named_modules())
     marker = MachineryMarker()
-    # Module segments first: a chain or an op range then runs its calls' forwards as they
-    # are, nested checkpoints included.
-    for segment in sorted(schedule.segments, key=lambda s: (s.within is not None, bool(s.chain))):
+    # Op ranges first: a module segment around a range's module then checkpoints the range's
+    # forward (and its recompute runs the range again, nested). Chains last: they keep their
+    # members' forwards, checkpointed ones included.
+    for segment in sorted(schedule.segments, key=lambda s: (bool(s.chain), s.within is None)):
         members = [_module(modules, path) for path in segment.members]
         keep = frozenset((k.op, k.occurrence) for k in schedule.kept_in(segment.module))
         if segment.within is not None:

@@ -13,9 +13,12 @@ same order.
 The tape never holds what the range makes: arguments made inside it are positions in the
 replay's own list, and each position is dropped where the forward's Python dropped that
 tensor (the simulator's rule for a recompute's transient outputs). What the range reads from
-before it is held by the tape until its backward is done, as checkpoint holds its arguments.
-An own op that writes a tensor from before the range (a buffer) has that tensor's value put
-back after its replay.
+before it is held by the tape until the range closes; then autograd saves it, as checkpoint
+saves its arguments, through the saved-tensor hooks around the range: in an enclosing
+checkpoint frame (a nested range) that frame drops it and its recompute makes it again, and
+with no frame around, autograd holds it until the range's backward is done. An own op that
+writes a tensor from before the range (a buffer) has that tensor's value put back after its
+replay.
 """
 
 from __future__ import annotations
@@ -74,12 +77,52 @@ class _Entry:
 @dataclass
 class _Tape:
     entries: list[_Entry] = field(default_factory=list)
-    before: list[torch.Tensor] = field(default_factory=list)
+    before: list[torch.Tensor | None] = field(default_factory=list)
     before_index: dict[int, int] = field(default_factory=dict)
     """``id`` of each tensor in ``before`` -> its index (the list holds them: ids stay theirs)."""
     positions: int = 0
     dropped: list[int] = field(default_factory=list)
     """Positions the forward dropped since the last entry was recorded."""
+    saved: torch.Tensor | None = None
+    """Once the range closed: the output of the autograd node that saved ``before[k]`` for
+    each ``k`` in ``saved_at`` (those entries of ``before`` are then None)."""
+    saved_at: tuple[int, ...] = ()
+
+    def save_before(self) -> None:
+        """Hand what the range read from before it to autograd's saved-tensor hooks, all but
+        parameters (which live anyway) and tensors an own op writes (their value is put back
+        around the replay, which a saved tensor's version check would refuse)."""
+        written = {leaf.index for e in self.entries for k, leaf in enumerate(e.leaves)
+                   if k in e.writes and isinstance(leaf, _Before)}
+        at = tuple(k for k, t in enumerate(self.before) if not isinstance(t, nn.Parameter) and k not in written)
+        if not at:
+            return
+        with torch.enable_grad():
+            self.saved = _SaveBefore.apply(torch.empty(0, requires_grad=True), *(self.before[k] for k in at))
+        self.saved_at = at
+        for k in at:
+            self.before[k] = None
+
+    def unpacked_before(self) -> list[torch.Tensor | None]:
+        """``before`` with the saved tensors back (in a nested range, the enclosing frame's recompute made them)."""
+        before = list(self.before)
+        if self.saved is not None:
+            for k, tensor in zip(self.saved_at, self.saved.grad_fn.saved_tensors):
+                before[k] = tensor
+        return before
+
+
+class _SaveBefore(torch.autograd.Function):
+    """Saves its tensor arguments; never run backward (its output reaches no loss)."""
+
+    @staticmethod
+    def forward(ctx: Any, anchor: torch.Tensor, *tensors: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(*tensors)
+        return anchor.new_empty(0)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> Any:
+        raise AssertionError("internal error: the node holding a range's inputs ran backward")
 
 
 class _Recorder(TorchDispatchMode):
@@ -312,6 +355,8 @@ class RangeSegment:
 
         frame, self.frame = self.frame, None
         close_frame(frame, self.marker)
+        with self.marker:
+            tape.save_before()
 
     def _stop_recording(self) -> None:
         if self.mode is not None:
@@ -340,10 +385,11 @@ class RangeSegment:
         self.replaying += 1
         try:
             with self.marker.lowered():
+                before = tape.unpacked_before()
                 for entry in tape.entries:
                     for position in entry.drop:
                         values[position] = None
-                    self._keep_outputs(entry, self._run(entry, tape, values, under_autocast), values)
+                    self._keep_outputs(entry, self._run(entry, before, values, under_autocast), values)
         finally:
             self.replaying -= 1
 
@@ -355,9 +401,9 @@ class RangeSegment:
             if position is not None:
                 values[position] = leaf
 
-    def _run(self, entry: _Entry, tape: _Tape, values: list[Any], under_autocast: bool) -> Any:
+    def _run(self, entry: _Entry, before: list[torch.Tensor | None], values: list[Any], under_autocast: bool) -> Any:
         leaves = [values[leaf.position] if isinstance(leaf, _Made) else
-                  tape.before[leaf.index] if isinstance(leaf, _Before) else leaf for leaf in entry.leaves]
+                  before[leaf.index] if isinstance(leaf, _Before) else leaf for leaf in entry.leaves]
         if entry.is_call:
             args, kwargs = tree_unflatten(leaves, entry.spec)
             return entry.run(*args, **kwargs)

@@ -98,12 +98,20 @@ class LinearMemory:
     def _points(self) -> list[Point]:
         model = self.model
         points = [Point(key=(t, 2), burst_of=None) for t in range(-1, model.end)]
+        # An outer segment's burst runs to its own stop alone, and nested to where its frame
+        # saved the inner segment's arguments: past its own stop for an op range, which
+        # saves what it read when it closes.
+        stops = {call: seg.stop for call, seg in model.segments.items()}
+        pairs = {}
+        for outer, inner in model.nest_pairs:
+            frames = pairs[outer, inner] = model.frames({outer: frozenset(), inner: frozenset()})
+            stops[outer] = max(stops[outer], frames[outer].stop)
         for call, seg in model.segments.items():
             if seg.burst_pos is not None:
                 frame = model.frames({call: frozenset()})[call]
-                points += [Point(key=burst_key(model, frame, op, 1), burst_of=call) for op in range(seg.first_op, seg.stop)]
-        for outer, inner in model.nest_pairs:
-            frame = model.frames({outer: frozenset(), inner: frozenset()})[inner]
+                points += [Point(key=burst_key(model, frame, op, 1), burst_of=call) for op in range(seg.first_op, stops[call])]
+        for (outer, inner), frames in pairs.items():
+            frame = frames[inner]
             points += [Point(key=burst_key(model, frame, op, 1), burst_of=(outer, inner))
                        for op in range(frame.first_op, frame.stop)]
         return points

@@ -187,8 +187,10 @@ class Planner:
         missing = missing[np.argsort(-worst[missing], kind="stable")][:LAZY_ROWS]
         under = np.flatnonzero(active & (exact > limit_bytes) & (exact > predicted))
         under = under[np.argsort(-exact[under], kind="stable")][:LAZY_ROWS]
-        return [row_at(self.linear, int(j)) for j in missing] + [
-            row_at(self.linear, int(j), int(exact[j] - predicted[j])) for j in under
+        # A cut holds only for the segments that met there, so the point's own row joins too.
+        plain = np.union1d(missing, np.setdiff1d(under, [row.point for row in rows]))
+        return [row_at(self.linear, int(j)) for j in plain] + [
+            row_at(self.linear, int(j), int(exact[j] - predicted[j]), plan) for j in under
         ]
 
     def _outcome(self, plan, result, status, method, objective, bound, start, rounds, variants=frozenset()) -> SolveOutcome:
@@ -220,7 +222,7 @@ class Planner:
             candidates.append((self._peak(cp_result.plan, cp_result.variants), cp_result.plan, cp_result.variants))
             # The model's own peak for this answer: the highest of the rows it had.
             predicted = self.linear.predict(cp_result.plan, cp_result.variants)
-            relaxed = max(int(predicted[row.point]) + row.slack for row in rows)
+            relaxed = max(int(predicted[row.point]) + (row.slack if row.holds_for(cp_result.plan) else 0) for row in rows)
             added = self._violated_rows(rows, cp_result.plan, cp_result.variants, relaxed)
             if not added:
                 break

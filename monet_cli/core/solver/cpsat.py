@@ -196,7 +196,7 @@ def _add_overlaps(cp: cp_model.CpModel, model: SegmentModel, v: Variables) -> No
 MAX_ROW_UNITS = 1 << 24
 """The largest number a memory row may hold in the CP model. With rows in bytes (about 1e9 on
 resnet50) CP-SAT proved "optimal" a plan 7% above one it accepted when the plan was fixed;
-in units of 64 bytes the same rows solve to the right optimum."""
+in units of 64 to 1,024 bytes the same rows solve to the right optimum."""
 
 
 def memory_unit(rows: list[MemoryRow], budget_bytes: int | None) -> int:

@@ -15,8 +15,9 @@ five, and the solver slows with the candidates far more than the floor gains fro
 
 What a range reads from before it (external tensors) is saved when the range closes, as
 checkpoint saves its arguments: held until its backward is done or, nested in an outer
-segment, saved by the outer frame, which drops it and makes it again in its recompute. That
-recompute therefore runs to the range's end (the range runs inside it, as a checkpoint).
+segment (its module's call, or a range of an enclosing module), saved by the outer frame,
+which drops it and makes it again in its recompute. That recompute therefore runs to the
+range's end (the range runs inside it, as a checkpoint).
 """
 
 from __future__ import annotations

@@ -44,10 +44,8 @@ SAC_IGNORED_OPS = frozenset({
 VARIANT_MODELS_CACHED = 8
 """Variant sets whose rewritten profile ``SegmentModel.with_variants`` keeps (a solve checks a few)."""
 
-MAX_NESTED_CHILDREN = 24
-"""A segment with more sub-segments than this (a stack of layers) holds none nested. A block
-offers about 20 with its op ranges (tiny_gpt's 22, a ResNet Bottleneck's 19); a stage of
-blocks offers more."""
+MAX_NESTED_CHILDREN = 8
+"""A segment with more sub-segments than this (a stack of layers) holds none nested."""
 
 
 CHAIN = "chain"
@@ -345,8 +343,9 @@ class SegmentModel:
         holding one): the pairs grow with the number of segments, and each pair's rows with
         its outer's size, not the model's. An inner segment that saves only its arguments (a
         Linear) is left out: nested, the outer would save the same tensors for it, and its
-        recompute would only add time. A range nested in an outer segment saves what it read
-        through the outer frame when it closes (``core/ranges.py``)."""
+        recompute would only add time. A range may be the inner one when it opens where its
+        module's forward opens; nested, it saves what it read through the outer frame when
+        it closes (``core/ranges.py``)."""
         bursting = {c for c, seg in self.segments.items() if seg.burst_pos is not None}
         candidates = []
         for inner in sorted(bursting - self._late_ranges):

@@ -9,7 +9,8 @@ Constraints: chosen segments overlap only as a nested pair (one inner per outer,
 levels, neither keeping anything); a keep needs its segment; a variant is never chosen with
 a segment or another variant that moves the same tensors; at every point of the step
 the linear memory model stays within the budget (points inside a recompute burst only
-count when that segment, or nested pair, is chosen).
+count when that segment, or nested pair, is chosen), in units of a power of two bytes
+(``memory_unit``) rounded up.
 Objective: minimise recompute time in microseconds (the predicted overhead), or, in
 ``min_peak`` mode, the peak itself.
 """

@@ -177,7 +177,8 @@ class Planner:
     def _violated_rows(self, rows: list[MemoryRow], plan: Plan, variants: Variants, limit_bytes: int) -> list[MemoryRow]:
         """Rows ``plan`` puts over ``limit_bytes``: missing rows of the linear model, most
         violated first, and cuts where the simulator counts more than the linear model (the
-        missing bytes become the row's slack)."""
+        missing bytes become the row's slack, for plans with the segments of ``plan`` that
+        move memory there)."""
         exact = self.linear.live(plan, variants)
         predicted = self.linear.predict(plan, variants)
         active = self.linear.active_mask(plan)

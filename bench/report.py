@@ -357,7 +357,8 @@ def reach_table(reach: dict[str, Any]) -> str:
         "`bench/reach.py`: one fresh profile per workload; the smallest peak the solver finds with module-call",
         "segments alone, then adding nesting (a segment holding its nearest sub-segment), chains (one segment over a",
         "run of sibling calls, such as a ResNet's stem), op ranges (a stretch of one module's forward with its own",
-        "code, such as a residual add) and operator variants. The last floor's schedule is run",
+        "code, such as a residual add; a range may run nested in its module's segment) and operator variants. The",
+        "last floor's schedule is run",
         "against the unmodified model with its own predicted peak as the budget. \"x less activations\" =",
         "(baseline peak - fixed) / (peak - fixed), fixed = parameters, gradients and optimizer state. The gpt2 and",
         "llama rows are the real-models issue's reproductions (batch 16 x 128 tokens).",
@@ -383,7 +384,7 @@ def reach_table(reach: dict[str, Any]) -> str:
         key, goal = TARGETS[row["workload"]]
         value = row[key]
         met = value <= goal if key == "baseline_fraction" else value >= goal
-        shown = f"{100 * value:.1f}%" if key == "baseline_fraction" else f"{value:.2f}x"
+        shown = f"{100 * value:.1f}%" if key == "baseline_fraction" else f"{value:.3f}x"
         target = f"{100 * goal:.0f}%" if key == "baseline_fraction" else f"{goal:.2f}x"
         lines.append(f"- {row['workload']}: {shown} {words[key]} (target {target}): **{'met' if met else 'not met'}**")
     return "\n".join(lines)

@@ -140,6 +140,7 @@ def test_a_range_nested_in_its_block_s_segment_holds_the_simulator_op_by_op(resn
         parent = model.calls[model.ranges[inner].parent]
         assert model.calls[outer].fqn == parent.fqn and model.ranges[inner].first_op == parent.first_op
         _check(resnet18_profile, {outer: frozenset(), inner: frozenset()})
+        assert model.frames({outer: frozenset(), inner: frozenset()})[outer].stop >= model.ranges[inner].end_op
 
 
 def test_a_stage_range_holds_its_first_block_s_range_nested():
@@ -171,6 +172,12 @@ def test_an_attention_range_recomputes_the_same_dropout_mask():
                 key=lambda c: model.ranges[c].end_op)
     assert (block.index, early) in model.nest_pairs and (block.index, smallest) not in model.nest_pairs
     _check(profile, {block.index: frozenset(), early: frozenset()}, exact=False, below=8)
+    # The block's recompute runs the range to its end, recording its tape again: priced too.
+    frame = model.frames({block.index: frozenset(), early: frozenset()})[block.index]
+    assert frame.stop >= model.ranges[early].end_op and frame.recorded_again == model.ranges[early].own_ops > 0
+    costs = profile.overheads
+    machinery = costs.segment_ms + costs.saved_tensor_ms * frame.saves + costs.range_op_ms * frame.recorded_again
+    assert model.overhead_ms(block.index, frame=frame) == pytest.approx(machinery)
 
 
 def test_every_range_replays_under_autocast_within_its_prediction():

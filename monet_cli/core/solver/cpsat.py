@@ -136,7 +136,7 @@ def build_model(
                                                         for x in coefs.values())
                    for r in rows), default=0)
         v.peak = cp.new_int_var(0, max(top, 1), "peak")
-    limit = v.peak if min_peak else None if budget_bytes is None else budget_bytes // unit
+    limit = v.peak if min_peak else budget_bytes // unit
     for row in rows:
         _add_memory_row(cp, v, row, limit, unit)
     if min_peak:
@@ -212,6 +212,7 @@ def memory_unit(rows: list[MemoryRow], budget_bytes: int | None) -> int:
 
 
 def _coefficients(row: MemoryRow) -> tuple[dict, ...]:
+    """The row's coefficients by family, in the order of ``Variables``' seg, keep, nest, variant."""
     return row.seg_coefs, row.keep_coefs, row.nest_coefs, row.variant_coefs
 
 
@@ -220,12 +221,11 @@ def _units(nbytes: int, unit: int) -> int:
     return -(-nbytes // unit)
 
 
-def _add_memory_row(cp: cp_model.CpModel, v: Variables, row: MemoryRow, limit: cp_model.IntVar | int | None,
+def _add_memory_row(cp: cp_model.CpModel, v: Variables, row: MemoryRow, limit: cp_model.IntVar | int,
                     unit: int) -> None:
-    expr = (_units(row.base + row.slack, unit) + sum(_units(coef, unit) * v.seg[c] for c, coef in row.seg_coefs.items())
-            + sum(_units(coef, unit) * v.keep[k] for k, coef in row.keep_coefs.items())
-            + sum(_units(coef, unit) * v.nest[pair] for pair, coef in row.nest_coefs.items())
-            + sum(_units(coef, unit) * v.variant[i] for i, coef in row.variant_coefs.items()))
+    families = zip(_coefficients(row), (v.seg, v.keep, v.nest, v.variant))
+    expr = _units(row.base + row.slack, unit) + sum(
+        _units(coef, unit) * variables[key] for coefs, variables in families for key, coef in coefs.items())
     constraint = cp.add(expr <= limit)
     enforced_by = [v.seg[c] for c in row.cut_for]
     if isinstance(row.burst_of, tuple):

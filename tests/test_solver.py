@@ -244,16 +244,23 @@ MOBILENET_V2_LOW_PLAN = (
 def test_minimum_peak_on_a_large_profile_is_not_lost_to_objective_scale():
     """mobilenet_v2 (816 MiB baseline): with the peak weighted by the total time as a tie-break,
     CP-SAT proved "optimal" a plan far above this known one; the search must reach it."""
+    found, known = _smallest_peak_and_known_plan("mobilenet_v2", MOBILENET_V2_LOW_PLAN, time_limit_s=30)
+    assert found <= known
+
+
+def _smallest_peak_and_known_plan(config: str, plan: tuple[str, ...], *, time_limit_s: float) -> tuple[int, int]:
+    """The smallest peak the search finds on a shipped profile, and the simulated peak of a
+    known plan (segments by name, nothing kept)."""
     from pathlib import Path
 
     from monet_cli.core.profile import load_profile
 
-    profile = load_profile(Path(__file__).resolve().parent.parent / "configs" / "mobilenet_v2.profile.yaml")
+    profile = load_profile(Path(__file__).resolve().parent.parent / "configs" / f"{config}.profile.yaml")
     model = SegmentModel(profile)
     by_name = {seg.fqn: c for c, seg in model.segments.items()}
-    known = simulate(profile, {by_name[name]: frozenset() for name in MOBILENET_V2_LOW_PLAN}, model=model)
-    found = Planner(model).minimum_peak(time_limit_s=30, workers=1, seed=0)
-    assert found.peak_bytes <= known.peak_bytes
+    known = simulate(profile, {by_name[name]: frozenset() for name in plan}, model=model)
+    found = Planner(model).minimum_peak(time_limit_s=time_limit_s, workers=1, seed=0)
+    return found.peak_bytes, known.peak_bytes
 
 
 RESNET50_LOW_PLAN = (
@@ -270,19 +277,12 @@ def test_minimum_peak_on_resnet50_is_not_lost_to_rows_in_bytes(monkeypatch):
     of up to 24 (as when this was found): with memory rows in bytes, CP-SAT proved "optimal"
     plans of 568-595 MB while this 534 MB one satisfied the same rows; in units of 128 bytes it
     finds it."""
-    from pathlib import Path
-
     from monet_cli.core import segments
-    from monet_cli.core.profile import load_profile
 
-    profile = load_profile(Path(__file__).resolve().parent.parent / "configs" / "resnet50.profile.yaml")
     monkeypatch.setattr(SegmentModel, "_late_ranges", frozenset())
     monkeypatch.setattr(segments, "MAX_NESTED_CHILDREN", 24)
-    model = SegmentModel(profile)
-    by_name = {seg.fqn: c for c, seg in model.segments.items()}
-    known = simulate(profile, {by_name[name]: frozenset() for name in RESNET50_LOW_PLAN}, model=model)
-    found = Planner(model).minimum_peak(time_limit_s=60, workers=1, seed=0)
-    assert found.peak_bytes <= known.peak_bytes
+    found, known = _smallest_peak_and_known_plan("resnet50", RESNET50_LOW_PLAN, time_limit_s=60)
+    assert found <= known
 
 
 def test_a_cut_binds_only_plans_with_the_segments_that_met_there(two_branch):

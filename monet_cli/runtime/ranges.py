@@ -79,7 +79,8 @@ class _Tape:
     entries: list[_Entry] = field(default_factory=list)
     before: list[torch.Tensor | None] = field(default_factory=list)
     before_index: dict[int, int] = field(default_factory=dict)
-    """``id`` of each tensor in ``before`` -> its index (the list holds them: ids stay theirs)."""
+    """``id`` of each tensor in ``before`` -> its index, while recording (the list holds them
+    then, so ids stay theirs; ``save_before`` empties their places when the range closes)."""
     positions: int = 0
     dropped: list[int] = field(default_factory=list)
     """Positions the forward dropped since the last entry was recorded."""

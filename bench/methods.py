@@ -28,9 +28,9 @@ class Method:
     info: dict[str, Any] = field(default_factory=dict)
 
 
-def blocks_of(model: nn.Module, block_types: tuple[str, ...]) -> list[nn.Module]:
-    """Residual blocks / transformer layers / U-Net stages, in forward order."""
-    return [m for m in model.modules() if type(m).__name__ in block_types]
+def blocks_of(model: nn.Module, block_types: tuple[str, ...]) -> list[tuple[str, nn.Module]]:
+    """Residual blocks / transformer layers / U-Net stages with their paths, in forward order."""
+    return [(fqn, m) for fqn, m in model.named_modules() if type(m).__name__ in block_types]
 
 
 def _checkpoint_forward(module: nn.Module) -> None:
@@ -54,11 +54,12 @@ def checkpoint_every(spec: ModelSpec, device: torch.device, block_types: tuple[s
     blocks = blocks_of(workload.model, block_types)
     if not blocks:
         raise ValueError(f"no blocks of type {block_types} in {spec.name}")
-    for index, block in enumerate(blocks):
-        if index % k == 0:
-            _checkpoint_forward(block)
+    chosen = [(fqn, block) for index, (fqn, block) in enumerate(blocks) if index % k == 0]
+    for _, block in chosen:
+        _checkpoint_forward(block)
     name = "ckpt every block" if k == 1 else f"ckpt every {_ordinal(k)} block"
-    return Method(name=name, kind="pytorch", workload=workload, info={"blocks": len(blocks), "k": k})
+    return Method(name=name, kind="pytorch", workload=workload,
+                  info={"blocks": len(blocks), "k": k, "checkpointed": [fqn for fqn, _ in chosen]})
 
 
 def monet(spec: ModelSpec, device: torch.device, schedule: Schedule, info: dict[str, Any]) -> Method:

@@ -41,8 +41,9 @@ from monet_cli.core.plan import build_schedule  # noqa: E402
 from monet_cli.core.profile import InputSpec, ModelSpec, Profile, load_profile  # noqa: E402
 from monet_cli.core.schedule import SolverInfo  # noqa: E402
 from monet_cli.core.segments import SegmentModel  # noqa: E402
-from monet_cli.core.simulate import simulate  # noqa: E402
+from monet_cli.core.simulate import Plan, Variants, memory_events, simulate  # noqa: E402
 from monet_cli.core.solver.search import Planner  # noqa: E402
+from monet_cli.core.units import format_bytes  # noqa: E402
 from monet_cli.profiler.run import profile_model  # noqa: E402
 from monet_cli.runtime.compare import run_apply  # noqa: E402
 from monet_cli.workload.resolve import Overrides, resolve_model_spec  # noqa: E402
@@ -54,9 +55,11 @@ REPRODUCTIONS = {
     "gpt2": "tests.models_for_tests:hf_gpt2",
     "llama": "tests.models_for_tests:hf_llama",
 }
-BLOCKS = {"gpt": r"blocks\.\d+", "resnet50": r"layer\d\.\d+", "gpt2": r"transformer\.h\.\d+",
+BLOCKS = {"gpt": r"blocks\.\d+", "unet": r"enc\d|bottleneck|dec\d", "resnet50": r"layer\d\.\d+", "gpt2": r"transformer\.h\.\d+",
           "llama": r"model\.layers\.\d+"}
 """Module paths of each workload's blocks, for the peak of checkpointing every block."""
+NEAR_PEAK = 0.005
+"""A point of the step within this fraction of the floor's peak binds it (``binding_points``)."""
 TARGETS = {"resnet50": ("activation_ratio", 4.0), "unet": ("baseline_fraction", 0.5), "gpt": ("below_blocks", 1.25)}
 
 
@@ -93,6 +96,33 @@ def block_peak(profile: Profile, workload: str) -> int | None:
     return simulate(profile, plan, model=model).peak_bytes
 
 
+def binding_points(model: SegmentModel, plan: Plan, variants: Variants) -> list[str]:
+    """Where the floor's simulated step comes within ``NEAR_PEAK`` of its peak, one entry per
+    position in step order: what runs there (a recompute names the module of the op it re-runs).
+    A lower floor must lower all of them."""
+    events = sorted(memory_events(model, plan, variants), key=lambda event: event[0])
+    running, highest = 0, {}
+    for key, delta in events:
+        running += delta
+        if delta > 0:
+            highest[key] = max(highest.get(key, 0), running)
+    peak = max(highest.values())
+    near: dict[int, tuple[int, tuple[int, ...]]] = {}
+    for key, live in highest.items():
+        if live >= (1 - NEAR_PEAK) * peak and live > near.get(key[0], (0, key))[0]:
+            near[key[0]] = (live, key)
+    return [f"{_what_runs(model.profile, key)} ({format_bytes(live)})" for live, key in (near[p] for p in sorted(near))]
+
+
+def _what_runs(profile: Profile, key: tuple[int, ...]) -> str:
+    pos, forward = key[0], len(profile.ops)
+    if key[1] == 1:  # a recompute burst: (position, 1, ..., re-run op, sub)
+        return f"backward position {pos}, recomputing {profile.ops[key[-2]].module}"
+    if pos < forward:
+        return f"forward, {profile.ops[pos].module}"
+    return f"backward position {pos}, {profile.backward[pos - forward].op}"
+
+
 def spec_of(name: str) -> ModelSpec:
     if name in SHIPPED:
         return load_profile(ROOT / "configs" / f"{name}.profile.yaml").model
@@ -126,6 +156,7 @@ def measure(name: str, time_limit_s: float, workers: int) -> dict:
         "workload": name, "model": profile.model.name, "batch_size": profile.model.batch_size,
         "inputs": [list(i.shape) for i in profile.model.inputs], "profile_s": round(profile_s, 1),
         "baseline_peak_bytes": base, "fixed_bytes": fixed, "floors": floors, "block_peak_bytes": blocks,
+        "floor_binding_points": binding_points(model, floor.plan, floor.variants),
         "floor_segments": len(schedule.segments), "floor_chains": chains, "floor_ranges": ranges, "floor_variants": len(schedule.variants),
         "measured_peak_bytes": measured, "error": (floor.peak_bytes - measured) / measured,
         "within_budget": measured <= floor.peak_bytes, "check_ok": report.check.ok,

@@ -35,6 +35,7 @@ from bench import methods as M  # noqa: E402
 from monet_cli.core.plan import solve_schedule  # noqa: E402
 from monet_cli.core.profile import InputSpec, Profile  # noqa: E402
 from monet_cli.core.segments import SegmentModel  # noqa: E402
+from monet_cli.core.simulate import simulate  # noqa: E402
 from monet_cli.core.solver.search import Hint, Planner  # noqa: E402
 from monet_cli.profiler.run import env_info, profile_model  # noqa: E402
 from monet_cli.runtime.meter import measure_peak  # noqa: E402
@@ -102,6 +103,18 @@ def _solve_point(planner: Planner, spec: str, budget: int, time_limit: float, wo
         "status": outcome.status, "gap": outcome.gap, "segments": len(schedule.segments),
         "kept_ops": len(schedule.keeps),
     }
+
+
+def simulated(profile: Profile, checkpointed: list[str]) -> dict[str, Any]:
+    """The simulator's peak and overhead for checkpointing the modules ``checkpointed``, each a
+    whole segment with nothing kept: the time model checked on the plans people write by hand."""
+    model = SegmentModel(profile)
+    plan = {seg.call: frozenset() for seg in model.segments.values() if not seg.members and not seg.range
+            and seg.fqn in checkpointed}
+    if len(plan) != len(checkpointed):
+        raise ValueError(f"{len(checkpointed) - len(plan)} of the checkpointed blocks are not segments of the profile")
+    result = simulate(profile, plan, model=model)
+    return {"predicted_peak_bytes": result.peak_bytes, "predicted_overhead": result.added_ms / profile.baseline.step_ms}
 
 
 def live_peak(method: M.Method) -> int:
@@ -179,6 +192,8 @@ def run_workload(w: Workload, device: torch.device, *, repeats: int, fractions: 
             row.update(m.info)
         else:
             row["info"] = m.info
+        if m.kind == "pytorch":
+            row.update(simulated(profile, m.info["checkpointed"]))
         points.append(row)
     if w.transformer and compile_budgets:
         log(f"{w.name}: torch.compile budgets {compile_budgets}")
@@ -193,6 +208,7 @@ def run_workload(w: Workload, device: torch.device, *, repeats: int, fractions: 
         row["activation_ratio"] = (base["peak_bytes"] - fixed) / max(1, row["peak_bytes"] - fixed)
         if "predicted_peak_bytes" in row:
             row["prediction_error"] = (row["predicted_peak_bytes"] - row["peak_bytes"]) / row["peak_bytes"]
+        if "budget_bytes" in row:
             row["within_budget"] = row["peak_bytes"] <= row["budget_bytes"]
     return {
         "workload": w.name, "device": device.type, "device_name": profile.device.name,

@@ -134,7 +134,7 @@ def measure(name: str, repeats: int) -> dict[str, Any]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--workloads", default="gpt,resnet50")
+    parser.add_argument("--workloads", default="gpt,resnet50,unet")
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "time-gap-cpu.json")
     args = parser.parse_args()

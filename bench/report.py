@@ -131,7 +131,7 @@ def targets(result: dict[str, Any]) -> list[str]:
             verdict = ""
             if p["method"] == "ckpt every block" and result["workload"] == "resnet50":
                 verdict = f"; target 10% faster: {'**met**' if faster >= SAME_PEAK_TARGET else '**not met**'}"
-                noise = spread(next(b for b in pts if b["kind"] == "baseline").get("step_ms_all") or [])
+                noise = spread(baseline_point(result).get("step_ms_all") or [])
                 if noise is not None and noise > abs(faster):
                     verdict += f", inside the noise (the unmodified step's repeats spread {100 * noise:.1f}%)"
                 if p.get("predicted_overhead") is not None:
@@ -171,7 +171,7 @@ def targets(result: dict[str, Any]) -> list[str]:
 def analysis(result: dict[str, Any]) -> list[str]:
     """Measured reasons behind the time targets: prediction gap and timing noise."""
     timed = [p for p in result["points"] if p.get("predicted_overhead") is not None and "peak_bytes" in p]
-    base = next(p for p in result["points"] if p.get("kind") == "baseline")
+    base = baseline_point(result)
     lines = []
     for kind, label in (("monet", "monet points"), ("pytorch", "the checkpoint-every-k points (simulated as whole-block segments)")):
         gaps = [100 * (p["overhead"] - p["predicted_overhead"]) for p in timed if p["kind"] == kind]
@@ -185,6 +185,11 @@ def analysis(result: dict[str, Any]) -> list[str]:
     if noise is not None:
         lines.append(f"- timing noise: the unmodified step's own repeats spread over {100 * noise:.1f}% of its median")
     return lines
+
+
+def baseline_point(result: dict[str, Any]) -> dict[str, Any]:
+    """The unmodified step's point of a result."""
+    return next(p for p in result["points"] if p.get("kind") == "baseline")
 
 
 def spread(runs: list[float]) -> float | None:
@@ -250,7 +255,7 @@ def variants_section(result: dict[str, Any], img_dir: Path) -> list[str]:
     name = f"variants-{result['workload']}-{result['device']}"
     spec = result["spec"]
     sites = result["profile"]["variant_sites"]
-    base = next(p for p in result["points"] if p["kind"] == "baseline")
+    base = baseline_point(result)
     lines = [f"### {result['workload']} ({result['device']})", "",
              f"{spec['model']}, batch {spec['batch_size']}, input {spec['inputs']}; baseline peak "
              f"{mib(base['peak_bytes'])} MiB, step {base['step_ms']:.1f} ms; {len(sites)} variant sites saving "
@@ -278,11 +283,9 @@ def variants_section(result: dict[str, Any], img_dir: Path) -> list[str]:
 def _variant_findings(result: dict[str, Any]) -> list[str]:
     curves = {c: [p for p in result["points"] if p.get("curve") == c] for c in VARIANT_CURVES}
     with_v, without = curves["variants"], curves["checkpointing only"]
-    base = next(p for p in result["points"] if p["kind"] == "baseline")
     monet = with_v + without
-    runs = base.get("step_ms_all") or []
-    spread = 100 * (max(runs) - min(runs)) / statistics.median(runs) if len(runs) > 1 else 0.0
-    lines = [f"- timing noise: the unmodified step's repeats spread over {spread:.1f}% of its median; overhead "
+    noise = 100 * (spread(baseline_point(result).get("step_ms_all") or []) or 0.0)
+    lines = [f"- timing noise: the unmodified step's repeats spread over {noise:.1f}% of its median; overhead "
              "differences smaller than that are inside the noise"]
     good = [p for p in with_v if p["overhead"] <= OVERHEAD_TARGET]
     best = max(good, key=lambda p: p["activation_ratio"], default=None)
@@ -303,7 +306,7 @@ def _variant_findings(result: dict[str, Any]) -> list[str]:
         if c["budget_spec"] == "min" or v is None or v["overhead"] <= c["overhead"]:
             continue
         row = f"{c['budget_spec']} ({pct(v['overhead'])} with, {pct(c['overhead'])} without)"
-        (noisy if 100 * (v["overhead"] - c["overhead"]) < spread else worse).append(row)
+        (noisy if 100 * (v["overhead"] - c["overhead"]) < noise else worse).append(row)
     if worse:
         verdict = "**not met** at " + "; ".join(worse)
     elif noisy:
@@ -330,7 +333,7 @@ def _variant_findings(result: dict[str, Any]) -> list[str]:
 def _reach_reason(result: dict[str, Any], with_v: list[dict[str, Any]]) -> str:
     """What the variants can save at most, and how many the lowest point still runs, measured."""
     sites = result["profile"]["variant_sites"]
-    base = next(p for p in result["points"] if p["kind"] == "baseline")
+    base = baseline_point(result)
     activations = base["peak_bytes"] - result["profile"]["fixed_bytes"]
     saves = sum(s["saves_bytes"] for s in sites)
     floor = min(with_v, key=lambda p: p["peak_bytes"], default=None)
@@ -348,7 +351,7 @@ def _plot_variants(result: dict[str, Any], path: Path) -> bool:
     if drawn is None:
         return False
     fig, ax = drawn
-    base = next(p for p in result["points"] if p["kind"] == "baseline")
+    base = baseline_point(result)
     ax.plot([base["peak_bytes"] / MIB], [0.0], marker="s", color="black", linestyle="none", label="no checkpointing")
     for curve, color in zip(VARIANT_CURVES, ("tab:blue", "tab:gray")):
         pts = sorted((p for p in result["points"] if p.get("curve") == curve), key=lambda p: p["peak_bytes"])

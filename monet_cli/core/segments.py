@@ -361,6 +361,11 @@ class SegmentModel:
                             if children[outer] <= MAX_NESTED_CHILDREN and self._saves_what_it_makes(inner)))
 
     @cached_property
+    def pair_frames(self) -> dict[tuple[int, int], dict[int, Frame]]:
+        """Each nest pair's two frames as they run nested (the solver's costs and points)."""
+        return {(outer, inner): self.frames({outer: frozenset(), inner: frozenset()}) for outer, inner in self.nest_pairs}
+
+    @cached_property
     def _late_ranges(self) -> frozenset[int]:
         """Op ranges that open after their module's forward starts: never an inner segment.
         Offered (with outers of up to 24 sub-segments), they doubled resnet50's nest pairs

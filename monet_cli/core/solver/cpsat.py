@@ -89,8 +89,8 @@ def step_costs(model: SegmentModel) -> Costs:
         for i in info.candidates:
             saved = ops[i].time_ms if info.burst_pos is not None and i < info.stop else 0.0
             keep_saving[(c, i)] = round(saved * US_PER_MS)
-    for outer, inner in model.nest_pairs:
-        frame = model.frames({outer: frozenset(), inner: frozenset()})[outer]
+    for (outer, inner), frames in model.pair_frames.items():
+        frame = frames[outer]
         nest[(outer, inner)] = round(model.added_ms(outer, frame=frame) * US_PER_MS) - seg[outer]
     return Costs(seg=seg, keep_saving=keep_saving, policy=policy, nest=nest, variant=variant)
 

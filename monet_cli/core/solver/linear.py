@@ -102,15 +102,13 @@ class LinearMemory:
         # saved the inner segment's arguments: past its own stop for an op range, which
         # saves what it read when it closes.
         stops = {call: seg.stop for call, seg in model.segments.items()}
-        pairs = {}
-        for outer, inner in model.nest_pairs:
-            frames = pairs[outer, inner] = model.frames({outer: frozenset(), inner: frozenset()})
+        for (outer, _), frames in model.pair_frames.items():
             stops[outer] = max(stops[outer], frames[outer].stop)
         for call, seg in model.segments.items():
             if seg.burst_pos is not None:
                 frame = model.frames({call: frozenset()})[call]
                 points += [Point(key=burst_key(model, frame, op, 1), burst_of=call) for op in range(seg.first_op, stops[call])]
-        for (outer, inner), frames in pairs.items():
+        for (outer, inner), frames in model.pair_frames.items():
             frame = frames[inner]
             points += [Point(key=burst_key(model, frame, op, 1), burst_of=(outer, inner))
                        for op in range(frame.first_op, frame.stop)]

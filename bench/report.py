@@ -221,7 +221,7 @@ def render(results: list[dict[str, Any]], quality: dict[str, Any] | None, scale:
                 f"{spec['model']}, batch {spec['batch_size']}, input {spec['inputs']}, {spec['optimizer']}; "
                 f"{result['profile']['forward_ops']} forward ops, {result['profile']['segments']} candidate segments; "
                 f"parameters + gradients + optimizer state {format_bytes(result['profile']['fixed_bytes'])}; "
-                f"{result['repeats']} repeats.", "",
+                f"{result['repeats']} repeats; measured {result['created_at']}.", "",
                 points_table(result), "", f"![{name}](img/{name}.png)" if drawn else "(plot needs matplotlib)", "",
                 "Targets:", "", *targets(result), "", "Measured context:", "", *analysis(result), ""]
     if quality is not None:
@@ -260,7 +260,8 @@ def variants_section(result: dict[str, Any], img_dir: Path) -> list[str]:
              f"{spec['model']}, batch {spec['batch_size']}, input {spec['inputs']}; baseline peak "
              f"{mib(base['peak_bytes'])} MiB, step {base['step_ms']:.1f} ms; {len(sites)} variant sites saving "
              f"{mib(sum(s['saves_bytes'] for s in sites))} MiB together at a measured "
-             f"{sum(s['time_ms'] for s in sites):+.1f} ms per step; {result['repeats']} repeats.", "",
+             f"{sum(s['time_ms'] for s in sites):+.1f} ms per step; {result['repeats']} repeats; measured "
+             f"{result['created_at']}.", "",
              "| curve | budget | measured MiB | predicted MiB | error | x less activations | overhead | predicted "
              "overhead | segments | keeps | variants | gradients (largest diff / largest grad) |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]

@@ -202,6 +202,21 @@ def test_no_solution_in_time_is_exit_4(solved, monkeypatch):
     assert "no schedule within" in result.stderr and not (root / "none.yaml").exists()
 
 
+def test_a_heuristic_plan_cp_sat_did_not_confirm_is_written_and_shown(solved, monkeypatch):
+    """It has an objective (its simulated time) but no bound: the table says so instead of failing."""
+    from monet_cli.core.solver import search
+    from monet_cli.core.solver.cpsat import CpResult
+
+    root, _ = solved
+    monkeypatch.setattr(search, "solve_model", lambda *a, **k: CpResult(status="UNKNOWN", plan=None, objective=None,
+                                                                          bound=None, wall_s=0.0))
+    result = monet("solve", str(root / "configs" / "skip.profile.yaml"), "--budget", "95%", "--workers", "1",
+                   "-o", str(root / "heuristic.yaml"))
+    assert result.exit_code == 0, result.stderr
+    assert "heuristic" in result.stdout and " / - ms recompute" in result.stdout
+    assert yaml.safe_load((root / "heuristic.yaml").read_text())["solver"]["bound"] is None
+
+
 def test_exit_code_table_is_documented():
     help_text = monet("--help").stdout
     readme = (ROOT / "README.md").read_text()

@@ -135,7 +135,8 @@ def schedule_table(schedule: Schedule, path: str) -> Table:
         ("variants", _variants_line(schedule)),
         ("offloads", _offloads_line(schedule)),
         ("solver", f"{solver.method}: {solver.status}"),
-        ("objective / bound", "-" if solver.objective is None else f"{solver.objective:.3f} / {solver.bound:.3f} ms recompute"),
+        ("objective / bound", "-" if solver.objective is None
+         else f"{solver.objective:.3f} / {'-' if solver.bound is None else f'{solver.bound:.3f}'} ms recompute"),
         ("gap", _gap(solver.gap)),
         ("time", f"{solver.time_s:.2f} s, {solver.workers} worker(s), seed {solver.seed}"),
         ("written to", path),

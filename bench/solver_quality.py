@@ -155,7 +155,7 @@ def brute_force_case(case: Case, *, time_limit_s: float, workers: int, log: Call
     scored = []
     for plan in plans:
         result = simulate(profile, plan, model=model)
-        scored.append((result.peak_bytes, result.added_ms, objective_us(costs, plan)))
+        scored.append((result.peak_bytes, result.added_ms, objective_us(model, costs, plan)))
     enumerate_s = time.perf_counter() - start
     lowest = min(peak for peak, _, _ in scored)
     highest = profile.baseline.peak_bytes
@@ -168,7 +168,7 @@ def brute_force_case(case: Case, *, time_limit_s: float, workers: int, log: Call
         best_us = min(us for _, us in fitting)
         outcome = planner.solve(budget, time_limit_s=time_limit_s, workers=workers, seed=0)
         solver_ms = outcome.result.added_ms if outcome.result is not None else None
-        solver_us = objective_us(costs, outcome.plan) if outcome.plan is not None else None
+        solver_us = objective_us(model, costs, outcome.plan) if outcome.plan is not None else None
         fits = outcome.result is not None and outcome.result.peak_bytes <= budget
         match = solver_ms is not None and abs(solver_ms - best_ms) <= TOL_MS and outcome.status == "OPTIMAL" and fits
         rows.append({
@@ -277,7 +277,7 @@ def reference_optimum(planner: Planner, budget_bytes: int, hint: Plan, *, time_l
     it is a lower bound (cuts only tighten rows).
     """
     cp, variables = build_model(planner.model, planner.all_rows(), budget_bytes=budget_bytes)
-    add_hint(cp, variables, hint)
+    add_hint(cp, planner.model, variables, hint)
     solver = cp_model.CpSolver()
     solver.parameters.max_time_in_seconds = time_limit_s
     solver.parameters.num_workers = 1

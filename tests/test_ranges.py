@@ -143,14 +143,69 @@ def test_a_range_nested_in_its_block_s_segment_holds_the_simulator_op_by_op(resn
         assert model.frames({outer: frozenset(), inner: frozenset()})[outer].stop >= model.ranges[inner].end_op
 
 
-def test_a_stage_range_holds_its_first_block_s_range_nested():
+@pytest.fixture(scope="module")
+def resnet50_small():
+    return profile_model(small_spec("resnet50", shape=(3, 32, 32), batch_size=2), CPU, steps=1)
+
+
+def test_a_stage_range_holds_its_first_block_s_range_nested(resnet50_small):
     """Both frames are tapes: the stage's replay calls the block, whose range records a tape of
     its own again, saves what it read through the stage's frame, and replays later."""
-    profile = profile_model(small_spec("resnet50", shape=(3, 32, 32), batch_size=2), CPU, steps=1)
+    profile = resnet50_small
     model = SegmentModel(profile)
     outer, inner = next((o, i) for o, i in model.nest_pairs
                         if model.calls[o].fqn.startswith("layer1[") and model.calls[i].fqn.startswith("layer1.0["))
     _check(profile, {outer: frozenset(), inner: frozenset()})
+
+
+THREE_DEEP = ("layer1[6:42]", "layer1.0", "layer1.0.downsample", "layer1.1", "layer1.1.conv3..layer1.1.bn3")
+"""layer1's range holds layer1.0, which holds its downsample, and layer1.1, which holds its last
+convolution and BatchNorm: part of the nesting of resnet50's smallest peak (batch 32, 128 px)."""
+
+
+def test_segments_nest_three_deep_and_an_outer_holds_two(resnet50_small):
+    """Each recompute runs the nested ones' frames again inside it: the step holds the
+    simulator's timeline op by op and the unmodified model's gradients bit for bit."""
+    from monet_cli.core.simulate import nesting_problem
+    from monet_cli.core.solver.linear import nest_paths
+
+    model = SegmentModel(resnet50_small)
+    by_name = {model.calls[c].fqn: c for c in model.segments}
+    plan = {by_name[name]: frozenset() for name in THREE_DEEP}
+    stage, block, downsample, second, branch = plan
+    assert sorted(nest_paths(model, plan)) == sorted([(stage, block), (stage, block, downsample), (stage, second),
+                                                      (stage, second, branch)])
+    _check(resnet50_small, plan)
+    # The innermost's argument made by the outermost: its copy comes from the outermost's recompute.
+    _check(resnet50_small, {by_name[name]: frozenset() for name in ("layer1[6:42]", "layer1.1", "layer1.1.conv1..layer1.1.bn1")})
+    deeper = {by_name["layer1"]: frozenset(), **plan}
+    assert "deeper than 3 levels" in nesting_problem(model, deeper)
+
+
+def test_the_cp_model_nests_as_the_simulator_does(resnet50_small):
+    """With every segment fixed, CP-SAT accepts the three-deep plan, with its nest and triple
+    variables on exactly where it nests, and refuses it four deep."""
+    from ortools.sat.python import cp_model
+
+    from monet_cli.core.solver.cpsat import build_model, extract
+    from monet_cli.core.solver.linear import nest_paths
+
+    model = SegmentModel(resnet50_small)
+    by_name = {model.calls[c].fqn: c for c in model.segments}
+    plan = {by_name[name]: frozenset() for name in THREE_DEEP}
+    for chosen, feasible in ((plan, True), ({by_name["layer1"]: frozenset(), **plan}, False)):
+        cp, v = build_model(model, [], budget_bytes=resnet50_small.baseline.peak_bytes)
+        for c, var in v.seg.items():
+            cp.add(var == int(c in chosen))
+        solver = cp_model.CpSolver()
+        solver.parameters.num_workers = 1
+        status = solver.solve(cp)
+        assert (status == cp_model.OPTIMAL) == feasible, solver.status_name(status)
+        if feasible:
+            assert extract(solver, v) == plan
+            paths = set(nest_paths(model, plan))
+            assert {p for p, var in v.nest.items() if solver.boolean_value(var)} == {p[-2:] for p in paths}
+            assert {t for t, var in v.triple.items() if solver.boolean_value(var)} == {p for p in paths if len(p) == 3}
 
 
 def test_an_attention_range_recomputes_the_same_dropout_mask():

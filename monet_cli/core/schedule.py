@@ -30,6 +30,7 @@ from typing import Any, Literal
 
 from monet_cli.core.codec import flow_row, from_data, to_data
 from monet_cli.core.profile import EnvInfo, Fingerprint, ModelSpec, VariantSite, check_header
+from monet_cli.core.segments import NEST_LEVELS
 from monet_cli.core.yamlio import atomic_write_text, dump_yaml, load_yaml_file
 from monet_cli.errors import FileFormatError
 
@@ -287,23 +288,23 @@ def consistency_problem(schedule: Schedule) -> str | None:
 
 
 def _nesting_problem(schedule: Schedule) -> str:
-    """Segments may overlap only as nested pairs: one inside another, two levels, one inner
-    segment per outer one, neither keeping anything."""
-    ordered = sorted(schedule.segments, key=lambda s: (s.first_op, -s.end_op))
+    """Segments may overlap only nested: each inside the ones enclosing it, at most
+    ``NEST_LEVELS`` deep, none of them keeping anything."""
     keeping = {k.segment for k in schedule.keeps}
-    outer_of: dict[str, str] = {}
-    for i, outer in enumerate(ordered):
-        for inner in ordered[i + 1:]:
-            if inner.first_op >= outer.end_op:
-                break
-            names = f"'{outer.module}' and '{inner.module}'"
-            if inner.end_op > outer.end_op:
+    open_segments: list[SegmentDecision] = []  # the segments enclosing the next one, outermost first
+    for segment in sorted(schedule.segments, key=lambda s: (s.first_op, -s.end_op)):
+        while open_segments and open_segments[-1].end_op <= segment.first_op:
+            open_segments.pop()
+        if open_segments:
+            outer = open_segments[-1]
+            names = f"'{outer.module}' and '{segment.module}'"
+            if segment.end_op > outer.end_op:
                 return f"decisions: segments {names} overlap"
-            if outer.module in keeping or inner.module in keeping:
+            if keeping.intersection((outer.module, segment.module)):
                 return f"decisions: segments {names} are nested and keep ops (nested segments recompute everything)"
-            if outer.module in outer_of or outer.module in outer_of.values():
-                return f"decisions: segments {names} nest more than one segment or deeper than two levels"
-            outer_of[inner.module] = outer.module
+            if len(open_segments) >= NEST_LEVELS:
+                return f"decisions: segments {names} nest deeper than {NEST_LEVELS} levels"
+        open_segments.append(segment)
     return ""
 
 

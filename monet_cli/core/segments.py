@@ -14,10 +14,11 @@ frame saves only the first call's arguments, where each call alone would save it
 A segment may also be an op range (``core/ranges.py``): a stretch of one module's forward
 from one of its calls (or its start) to a later one (or its end), its own code included.
 
-A segment may hold one nested segment (recursive checkpointing, two levels): the outer
-frame then saves the inner call's arguments instead of what the inner call saves, so its
-recompute stops at the inner call's start when nothing later is saved, and the inner
-segment's recompute takes its arguments from the outer one's.
+A segment may hold nested segments (recursive checkpointing, up to ``NEST_LEVELS`` deep, an
+outer holding several inner ones): the outer frame then saves each inner call's arguments
+instead of what the inner call saves, so its recompute stops at the last inner call's start
+when nothing later is saved, and each inner segment's recompute takes its arguments from
+the outer one's.
 """
 
 from __future__ import annotations
@@ -43,6 +44,9 @@ SAC_IGNORED_OPS = frozenset({
 
 VARIANT_MODELS_CACHED = 8
 """Variant sets whose rewritten profile ``SegmentModel.with_variants`` keeps (a solve checks a few)."""
+
+NEST_LEVELS = 3
+"""Chosen segments nest at most this deep: a stage holding a block holding a branch."""
 
 MAX_NESTED_CHILDREN = 8
 """A segment with more sub-segments than this (a stack of layers) holds none nested."""
@@ -364,6 +368,39 @@ class SegmentModel:
     def pair_frames(self) -> dict[tuple[int, int], dict[int, Frame]]:
         """Each nest pair's two frames as they run nested (the solver's costs and points)."""
         return {(outer, inner): self.frames({outer: frozenset(), inner: frozenset()}) for outer, inner in self.nest_pairs}
+
+    @cached_property
+    def _pairs_by_outer(self) -> dict[int, tuple[tuple[int, int], ...]]:
+        by_outer: dict[int, list[tuple[int, int]]] = defaultdict(list)
+        for pair in self.nest_pairs:
+            by_outer[pair[0]].append(pair)
+        return {outer: tuple(pairs) for outer, pairs in by_outer.items()}
+
+    def nest_pairs_of(self, outer: int) -> tuple[tuple[int, int], ...]:
+        """The nest pairs whose outer segment is ``outer``."""
+        return self._pairs_by_outer.get(outer, ())
+
+    def between(self, outer: int, inner: int) -> tuple[int, ...]:
+        """The segments between ``inner`` and ``outer``, which encloses it: with one of them
+        chosen, ``inner`` is not nested directly in ``outer``."""
+        enclosing = self.ancestors[inner]
+        return tuple(a for a in enclosing[1:enclosing.index(outer)] if a in self.segments)
+
+    @cached_property
+    def nestable(self) -> frozenset[tuple[int, int]]:
+        """(outer, inner) of every two segments that may both be chosen, one inside the other:
+        a nest pair, or the ends of a nest triple."""
+        return frozenset(self.nest_pairs) | frozenset((outer, inner) for outer, _, inner in self.nest_triples)
+
+    @cached_property
+    def nest_triples(self) -> tuple[tuple[int, int, int], ...]:
+        """(outer, middle, inner): two nest pairs sharing the middle segment, three levels deep."""
+        return tuple((outer, middle, inner) for outer, middle in self.nest_pairs for _, inner in self.nest_pairs_of(middle))
+
+    @cached_property
+    def triple_frames(self) -> dict[tuple[int, int, int], dict[int, Frame]]:
+        """Each nest triple's three frames as they run nested."""
+        return {triple: self.frames(dict.fromkeys(triple, frozenset())) for triple in self.nest_triples}
 
     @cached_property
     def _late_ranges(self) -> frozenset[int]:

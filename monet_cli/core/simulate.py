@@ -15,9 +15,10 @@ freed at recorded positions; a schedule moves those events:
 - storages made before the segment and saved inside it live until the segment's last
   saved tensor is released (checkpoint holds its inputs);
 - under a nested segment's outer frame, the inner call's arguments are saved by the outer
-  frame instead: the outer recompute makes them again and they live until the inner
-  recompute has taken them (and until its own saves of them are released). An op range
-  saves what it read when it closes, so an outer recompute runs through it.
+  frame instead: the recompute of the nearest enclosing frame that made them makes them
+  again, and they live until the inner recompute has taken them (and until its own saves
+  of them are released); made before every enclosing frame, the outermost one holds them.
+  An op range saves what it read when it closes, so an outer recompute runs through it.
 
 Operator variants change the profile itself (``monet_cli/core/variants.py``): a plan with
 variants is the plan simulated on the profile rewritten as if they ran.
@@ -38,7 +39,7 @@ from dataclasses import dataclass
 from itertools import combinations
 
 from monet_cli.core.profile import Profile, StorageRecord
-from monet_cli.core.segments import Frame, SegmentModel
+from monet_cli.core.segments import NEST_LEVELS, Frame, SegmentModel
 from monet_cli.core.variants import with_variants
 
 Plan = dict[int, frozenset[int]]
@@ -100,6 +101,17 @@ def nest_delta_events(model: SegmentModel, outer: int, inner: int) -> list[tuple
     bare = frozenset()
     signed = (({outer: bare, inner: bare}, 1), ({outer: bare}, -1), ({inner: bare}, -1), ({}, 1))
     touched = sorted(set(model.touched_storages(outer)) | set(model.touched_storages(inner)))
+    return _signed_events(model, signed, touched)
+
+
+def triple_delta_events(model: SegmentModel, outer: int, middle: int, inner: int) -> list[tuple[Key, int]]:
+    """What nesting three levels adds beyond its two nest pairs: ``memory_events({outer, middle,
+    inner}) - memory_events({outer, middle}) - memory_events({middle, inner}) +
+    memory_events({middle})``, from the storages any of the three can move."""
+    bare = frozenset()
+    signed = (({outer: bare, middle: bare, inner: bare}, 1), ({outer: bare, middle: bare}, -1),
+              ({middle: bare, inner: bare}, -1), ({middle: bare}, 1))
+    touched = sorted({sid for call in (outer, middle, inner) for sid in model.touched_storages(call)})
     return _signed_events(model, signed, touched)
 
 
@@ -185,22 +197,21 @@ def _check_plan(model: SegmentModel, plan: Plan) -> None:
 
 def nesting_problem(model: SegmentModel, plan: Plan) -> str:
     """Why ``plan``'s overlapping segments cannot run as nested checkpoints ("" if they can):
-    one segment may hold one other, two levels deep, both recomputed and keeping nothing."""
+    each segment inside another chosen one must be a nest pair with the nearest of them,
+    neither keeping anything, at most ``NEST_LEVELS`` deep."""
     pairs = set(model.nest_pairs)
     for a, b in model.crossing_pairs:
         if a in plan and b in plan:
             return f"segments {model.segments[a].fqn!r} and {model.segments[b].fqn!r} overlap"
-    inner_of: dict[int, int] = {}
     for call in plan:
-        for outer in model.ancestors[call][1:]:
-            if outer not in plan:
-                continue
-            names = f"{model.segments[outer].fqn!r} and {model.segments[call].fqn!r}"
-            if (outer, call) not in pairs or plan[outer] or plan[call]:
-                return f"segments {names} overlap"
-            if outer in inner_of or any(a in plan for a in model.ancestors[outer][1:]):
-                return f"segments {names} nest more than one segment or deeper than two levels"
-            inner_of[outer] = call
+        chosen = [a for a in model.ancestors[call][1:] if a in plan]
+        if not chosen:
+            continue
+        names = f"{model.segments[chosen[0]].fqn!r} and {model.segments[call].fqn!r}"
+        if (chosen[0], call) not in pairs or plan[chosen[0]] or plan[call]:
+            return f"segments {names} overlap"
+        if len(chosen) >= NEST_LEVELS:
+            return f"segments {names} nest deeper than {NEST_LEVELS} levels"
     return ""
 
 
@@ -300,15 +311,28 @@ class _Events:
                        copy_holds: dict[int, list[Key]]) -> None:
         """``s`` was made before ``frame``'s call, which took it as an argument (and saved it
         where ``release`` is given)."""
-        outer = self.frames[frame.outer] if frame.outer is not None else None
-        if outer is None or not outer.contains(s.producer):
-            # The outermost frame that did not make it holds it until its backward is done.
-            holds.append(((outer or frame).frame_end, 0))
+        outer = self._maker(frame, s.producer)
+        if outer is None:
+            # The outermost frame, which did not make it either, holds it until its backward is done.
+            holds.append((self._outermost(frame).frame_end, 0))
             return
-        # The outer frame saved it for this call: its recompute makes a copy, which this
-        # call's recompute takes as an argument and saves again where it saved it.
+        # An enclosing frame that made it saved it for the calls inside: its recompute makes a
+        # copy, which this call's recompute takes as an argument and saves again where it saved it.
         ends = [self.burst_end(frame.call)] + ([release] if release is not None else [])
         copy_holds[outer.call].append(max(ends))
+
+    def _maker(self, frame: Frame, producer: int) -> Frame | None:
+        """The nearest frame enclosing ``frame`` that runs op ``producer`` (None: none does)."""
+        while frame.outer is not None:
+            frame = self.frames[frame.outer]
+            if frame.contains(producer):
+                return frame
+        return None
+
+    def _outermost(self, frame: Frame) -> Frame:
+        while frame.outer is not None:
+            frame = self.frames[frame.outer]
+        return frame
 
     def add_burst(self, call: int) -> None:
         frame = self.frames[call]

@@ -2,11 +2,12 @@
 
 Variables: ``seg[c]`` checkpoints module call c; ``keep[c,i]`` keeps op i's output
 inside segment c (selective checkpointing) so it is not recomputed; ``nest[o,n]`` runs
-segment n nested inside segment o; ``variant[v]`` runs operator variant v (an output-keeping
-BatchNorm and what follows it, a max-pooling keeping offsets) or offload v (a call's saved
-tensors in host memory).
-Constraints: chosen segments overlap only as a nested pair (one inner per outer, two
-levels, neither keeping anything); a keep needs its segment; a variant is never chosen with
+segment n nested directly inside segment o; ``triple[o,m,n]`` runs n in m in o;
+``variant[v]`` runs operator variant v (an output-keeping BatchNorm and what follows it, a
+max-pooling keeping offsets) or offload v (a call's saved tensors in host memory).
+Constraints: a chosen segment inside another chosen one is nested in the nearest of them,
+as a nest pair (an outer may hold several, three levels at most, none keeping anything); a
+keep needs its segment; a variant is never chosen with
 a segment or another variant that moves the same tensors; at every point of the step
 the linear memory model stays within the budget (points inside a recompute burst only
 count when that segment, or nested pair, is chosen), in units of a power of two bytes
@@ -18,6 +19,7 @@ Objective: minimise recompute time in microseconds (the predicted overhead), or,
 from __future__ import annotations
 
 import time
+from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -25,7 +27,7 @@ from ortools.sat.python import cp_model
 
 from monet_cli.core.segments import SegmentModel
 from monet_cli.core.simulate import Plan, Variants
-from monet_cli.core.solver.linear import LinearMemory
+from monet_cli.core.solver.linear import LinearMemory, Path, nest_paths
 
 US_PER_MS = 1000
 
@@ -39,8 +41,9 @@ class MemoryRow:
     seg_coefs: dict[int, int]
     keep_coefs: dict[tuple[int, int], int]
     nest_coefs: dict[tuple[int, int], int]
+    triple_coefs: dict[tuple[int, int, int], int] = field(default_factory=dict)
     variant_coefs: dict[int, int] = field(default_factory=dict)
-    burst_of: int | tuple[int, int] | None
+    burst_of: int | Path | None
     slack: int = 0
     """Bytes the simulator found this point under-predicted by (a cut from the solve loop)."""
     cut_for: tuple[int, ...] = ()
@@ -58,6 +61,7 @@ class Variables:
     policy: dict[int, cp_model.IntVar] = field(default_factory=dict)
     """policy[c]: segment c keeps something, so its selective policy runs (and costs time)."""
     nest: dict[tuple[int, int], cp_model.IntVar] = field(default_factory=dict)
+    triple: dict[tuple[int, int, int], cp_model.IntVar] = field(default_factory=dict)
     variant: dict[int, cp_model.IntVar] = field(default_factory=dict)
     peak: cp_model.IntVar | None = None
 
@@ -95,22 +99,22 @@ def step_costs(model: SegmentModel) -> Costs:
     return Costs(seg=seg, keep_saving=keep_saving, policy=policy, nest=nest, variant=variant)
 
 
-def objective_us(costs: Costs, plan: Plan, variants: Variants = frozenset()) -> int:
+def objective_us(model: SegmentModel, costs: Costs, plan: Plan, variants: Variants = frozenset()) -> int:
     """The objective of ``plan`` exactly as ``build_model`` writes it."""
     return sum(costs.variant[v] for v in variants) + sum(
         costs.seg[c] + (costs.policy[c] if kept else 0) - sum(costs.keep_saving[(c, i)] for i in kept)
         for c, kept in plan.items()
-    ) + sum(cost for (outer, inner), cost in costs.nest.items() if outer in plan and inner in plan)
+    ) + sum(costs.nest[path[-2:]] for path in nest_paths(model, plan))
 
 
 def row_at(linear: LinearMemory, j: int, slack: int = 0, plan: Plan | None = None) -> MemoryRow:
     """The memory constraint of point ``j``; with ``slack``, a cut for the segments of ``plan``
     that move memory at ``j``."""
-    seg_coefs, keep_coefs, nest_coefs, variant_coefs = linear.coefficients_at(j)
+    seg_coefs, keep_coefs, nest_coefs, triple_coefs, variant_coefs = linear.coefficients_at(j)
     cut_for = tuple(sorted(c for c in seg_coefs if c in plan)) if slack and plan else ()
     return MemoryRow(point=j, base=int(linear.base[j]), seg_coefs=seg_coefs, keep_coefs=keep_coefs,
-                     nest_coefs=nest_coefs, variant_coefs=variant_coefs, burst_of=linear.points[j].burst_of,
-                     slack=slack, cut_for=cut_for)
+                     nest_coefs=nest_coefs, triple_coefs=triple_coefs, variant_coefs=variant_coefs,
+                     burst_of=linear.points[j].burst_of, slack=slack, cut_for=cut_for)
 
 
 def build_model(
@@ -170,28 +174,37 @@ def _add_variants(cp: cp_model.CpModel, model: SegmentModel, v: Variables, offer
 
 
 def _add_overlaps(cp: cp_model.CpModel, model: SegmentModel, v: Variables) -> None:
-    """Overlapping segments are chosen together only as a nested pair (crossing ones never)."""
-    for pair in model.nest_pairs:
-        v.nest[pair] = cp.new_bool_var(f"nest[{pair[0]},{pair[1]}]")
-        for c in pair:
-            cp.add_implication(v.nest[pair], v.seg[c])
-            cp.add_implication(v.nest[pair], ~v.policy[c])  # nested segments keep nothing
+    """Overlapping segments are chosen together only nested, each in the nearest chosen one
+    as a nest pair (crossing ones never), at most ``NEST_LEVELS`` deep."""
+    outers: dict[int, list[int]] = defaultdict(list)
+    for outer, inner in model.nest_pairs:
+        var = v.nest[outer, inner] = cp.new_bool_var(f"nest[{outer},{inner}]")
+        outers[inner].append(outer)
+        for c in (outer, inner):
+            cp.add_implication(var, v.seg[c])
+            cp.add_implication(var, ~v.policy[c])  # nested segments keep nothing
+        for between in model.between(outer, inner):
+            cp.add_implication(var, ~v.seg[between])  # nested in the nearest chosen segment
     for c in model.segments:
-        for ancestor in model.ancestors[c][1:]:
-            if (ancestor, c) in v.nest:
-                cp.add(v.seg[c] + v.seg[ancestor] <= 1 + v.nest[(ancestor, c)])
-            elif ancestor in v.seg:
+        cp.add(sum(v.nest[o, c] for o in outers[c]) <= v.seg[c])
+        enclosing = [a for a in model.ancestors[c][1:] if a in v.seg]
+        for k, ancestor in enumerate(enclosing):
+            if (ancestor, c) not in model.nestable:
                 cp.add_at_most_one([v.seg[c], v.seg[ancestor]])
+                continue
+            # Both chosen: c is nested in its nearest chosen segment, one of its nest pairs'
+            # outer segments up to ``ancestor``.
+            nearer = [v.nest[o, c] for o in outers[c] if o in enclosing[:k + 1]]
+            cp.add(v.seg[c] + v.seg[ancestor] <= 1 + sum(nearer))
     for a, b in model.crossing_pairs:
         cp.add_at_most_one([v.seg[a], v.seg[b]])
-    by_outer: dict[int, list[cp_model.IntVar]] = {}
-    for (outer, _), var in v.nest.items():
-        by_outer.setdefault(outer, []).append(var)
-    for nested in by_outer.values():
-        cp.add_at_most_one(nested)  # one inner segment per outer one
-    for (_, inner), var in v.nest.items():
-        for deeper in by_outer.get(inner, []):
-            cp.add_at_most_one([var, deeper])  # two levels at most
+    for outer, middle, inner in model.nest_triples:
+        var = v.triple[outer, middle, inner] = cp.new_bool_var(f"triple[{outer},{middle},{inner}]")
+        cp.add_bool_and([v.nest[outer, middle], v.nest[middle, inner]]).only_enforce_if(var)
+        cp.add_bool_or([~v.nest[outer, middle], ~v.nest[middle, inner], var])
+    for (_, _, inner), var in v.triple.items():
+        for deeper in model.nest_pairs_of(inner):
+            cp.add_bool_or([~var, ~v.nest[deeper]])  # NEST_LEVELS (three) at most
 
 
 MAX_ROW_UNITS = 1 << 24
@@ -212,8 +225,8 @@ def memory_unit(rows: list[MemoryRow], budget_bytes: int | None) -> int:
 
 
 def _coefficients(row: MemoryRow) -> tuple[dict, ...]:
-    """The row's coefficients by family, in the order of ``Variables``' seg, keep, nest, variant."""
-    return row.seg_coefs, row.keep_coefs, row.nest_coefs, row.variant_coefs
+    """The row's coefficients by family, in the order of ``Variables``' seg, keep, nest, triple, variant."""
+    return row.seg_coefs, row.keep_coefs, row.nest_coefs, row.triple_coefs, row.variant_coefs
 
 
 def _units(nbytes: int, unit: int) -> int:
@@ -223,20 +236,25 @@ def _units(nbytes: int, unit: int) -> int:
 
 def _add_memory_row(cp: cp_model.CpModel, v: Variables, row: MemoryRow, limit: cp_model.IntVar | int,
                     unit: int) -> None:
-    families = zip(_coefficients(row), (v.seg, v.keep, v.nest, v.variant))
+    families = zip(_coefficients(row), (v.seg, v.keep, v.nest, v.triple, v.variant))
     expr = _units(row.base + row.slack, unit) + sum(
         _units(coef, unit) * variables[key] for coefs, variables in families for key, coef in coefs.items())
     constraint = cp.add(expr <= limit)
     enforced_by = [v.seg[c] for c in row.cut_for]
     if isinstance(row.burst_of, tuple):
-        enforced_by.append(v.nest[row.burst_of])
+        enforced_by.append((v.nest if len(row.burst_of) == 2 else v.triple)[row.burst_of])
     elif row.burst_of is not None:
         enforced_by.append(v.seg[row.burst_of])
     if enforced_by:
         constraint.only_enforce_if(enforced_by)
 
 
-def add_hint(cp: cp_model.CpModel, v: Variables, plan: Plan, variants: Variants = frozenset()) -> None:
+def add_hint(cp: cp_model.CpModel, model: SegmentModel, v: Variables, plan: Plan, variants: Variants = frozenset()) -> None:
+    paths = set(nest_paths(model, plan))
+    for (outer, inner), var in v.nest.items():
+        cp.add_hint(var, any(path[-2:] == (outer, inner) for path in paths))
+    for triple, var in v.triple.items():
+        cp.add_hint(var, triple in paths)
     for index, var in v.variant.items():
         cp.add_hint(var, index in variants)
     for c, var in v.seg.items():
@@ -244,8 +262,6 @@ def add_hint(cp: cp_model.CpModel, v: Variables, plan: Plan, variants: Variants 
         cp.add_hint(v.policy[c], bool(plan.get(c)))
     for (c, i), var in v.keep.items():
         cp.add_hint(var, c in plan and i in plan[c])
-    for (outer, inner), var in v.nest.items():
-        cp.add_hint(var, outer in plan and inner in plan)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -1,7 +1,7 @@
 """Every schedule the runtime can execute, for profiles small enough to enumerate.
 
 The reference the solver is tested and benchmarked against: segments that do not overlap
-or nest as a pair, and any subset of each segment's keep candidates (nested segments keep
+or nest (``nesting_problem``), and any subset of each segment's keep candidates (nested segments keep
 nothing).
 """
 
@@ -11,7 +11,7 @@ import itertools
 
 from monet_cli.core.segments import SegmentModel
 from monet_cli.core.simulate import Plan, nesting_problem
-from monet_cli.core.solver.linear import nested_pairs
+from monet_cli.core.solver.linear import nest_paths
 
 
 def all_plans(model: SegmentModel) -> list[Plan]:
@@ -20,7 +20,7 @@ def all_plans(model: SegmentModel) -> list[Plan]:
         families += [f + [call] for f in families if not nesting_problem(model, dict.fromkeys(f + [call], frozenset()))]
     plans = []
     for family in families:
-        nested = {c for pair in nested_pairs(model, dict.fromkeys(family, frozenset())) for c in pair}
+        nested = {c for path in nest_paths(model, dict.fromkeys(family, frozenset())) for c in path}
         keep_choices = [
             [frozenset()]
             if s in nested

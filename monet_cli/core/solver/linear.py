@@ -4,20 +4,24 @@ The simulator is exact but not linear in the decisions. For CP-SAT we write the 
 bytes at each point of the step as
 
     live(q) = base(q) + sum_c x_c * seg_delta[c, q] + sum_(c,i) k_ci * keep_delta[(c, i), q]
-                      + sum_(o,n) y_on * nest_delta[(o, n), q] + sum_v z_v * variant_delta[v, q]
+                      + sum_(o,n) y_on * nest_delta[(o, n), q] + sum_(o,m,n) t_omn * triple_delta[(o, m, n), q]
+                      + sum_v z_v * variant_delta[v, q]
 
 where x_c chooses segment c (nothing kept), k_ci keeps op i inside c, y_on nests
-segment n in segment o and z_v runs operator variant v (never with a segment that moves
-the same storages, so variant rows add exactly). Each delta row is the simulator's own difference between a
-one-segment plan and the empty plan (or a one-keep plan and the bare segment, or a nested
-pair and its two segments alone), computed from only the storages those can move, so the
-model is exact for single segments and single nested pairs; for
-several segments interactions are not captured, which is why every solution is checked
-by the simulator again and the loop adds what it missed.
+segment n directly in segment o, t_omn nests n in m in o (three levels) and z_v runs
+operator variant v (never with a segment that moves the same storages, so variant rows add
+exactly). Each delta row is the simulator's own difference between a one-segment plan and
+the empty plan (or a one-keep plan and the bare segment, a nested pair and its two segments
+alone, a nested triple and its two pairs), computed from only the storages those can move,
+so the model is exact for single segments, nested pairs and triples; for several segments
+side by side (an outer holding several inner ones among them) interactions are not
+captured, which is why every solution is checked by the simulator again and the loop adds
+what it missed.
 
 Points q are the event keys of the simulator: after op t's allocations in the main
 timeline, and after each allocation inside each segment's recompute burst (a nested
-segment's burst has points of its own, ordered after its outer segment's).
+segment's burst has points of its own, ordered after its outer segment's, per chain of
+enclosing segments).
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from functools import cached_property
 
 import numpy as np
 
-from monet_cli.core.segments import SegmentModel
+from monet_cli.core.segments import NEST_LEVELS, Frame, SegmentModel
 from monet_cli.core.simulate import (
     Key,
     Plan,
@@ -37,16 +41,20 @@ from monet_cli.core.simulate import (
     memory_events,
     nest_delta_events,
     segment_delta_events,
+    triple_delta_events,
     variant_delta_events,
 )
+
+Path = tuple[int, ...]
+"""Chosen segments from the outermost down to one nested in them: (outer, inner) or (outer, middle, inner)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Point:
     key: Key
-    burst_of: int | tuple[int, int] | None
-    """The segment whose recompute burst this point is in, (outer, inner) for a nested
-    segment's (None: the main timeline)."""
+    burst_of: int | Path | None
+    """The segment whose recompute burst this point is in; for a nested segment's, its path
+    from the outermost segment (None: the main timeline)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,17 +116,22 @@ class LinearMemory:
             if seg.burst_pos is not None:
                 frame = model.frames({call: frozenset()})[call]
                 points += [Point(key=burst_key(model, frame, op, 1), burst_of=call) for op in range(seg.first_op, stops[call])]
-        for (outer, inner), frames in model.pair_frames.items():
-            frame = frames[inner]
-            points += [Point(key=burst_key(model, frame, op, 1), burst_of=(outer, inner))
-                       for op in range(frame.first_op, frame.stop)]
+        # A nested segment's burst, likewise, runs past its own stop when it holds an op range.
+        nested_stops = {pair: frames[pair[1]].stop for pair, frames in model.pair_frames.items()}
+        for (outer, middle, _), frames in model.triple_frames.items():
+            nested_stops[outer, middle] = max(nested_stops[outer, middle], frames[middle].stop)
+        paths = [(pair, frames[pair[1]], nested_stops[pair]) for pair, frames in model.pair_frames.items()]
+        paths += [(triple, frames[triple[2]], frames[triple[2]].stop) for triple, frames in model.triple_frames.items()]
+        for path, frame, stop in paths:
+            points += [Point(key=burst_key(model, frame, op, 1), burst_of=path) for op in range(frame.first_op, stop)]
         return points
 
     @cached_property
     def _scale(self) -> tuple[int, int]:
         f = len(self.model.profile.ops) + 2
-        # Burst codes use (f + neg_first) in 0..f, depth in 0..1 and op in 0..f-1: keep them below span - 1.
-        return f, 4 + 4 * (f + 1) * (f + 1)
+        # Burst codes use (f + neg_first) in 0..f, depth in 0..NEST_LEVELS-1 and op in 0..f-1:
+        # keep them below span - 1.
+        return f, 4 + 2 * (NEST_LEVELS + 1) * (f + 1) * (f + 1)
 
     def encode(self, key: Key) -> int:
         """Order-preserving integer for an event key (so numpy can sort and search)."""
@@ -129,7 +142,7 @@ class LinearMemory:
         if key[1] == 2:
             return base + span - 1
         _, _, neg_first, depth, op, sub = key
-        return base + 1 + (((f + neg_first) * 2 + depth) * f + op) * 2 + sub
+        return base + 1 + (((f + neg_first) * NEST_LEVELS + depth) * f + op) * 2 + sub
 
     # -- rows ---------------------------------------------------------------------------
     def live(self, plan: Plan, variants: Variants = frozenset()) -> np.ndarray:
@@ -177,6 +190,10 @@ class LinearMemory:
         return {pair: self._step_row(nest_delta_events(self.model, *pair)) for pair in self.model.nest_pairs}
 
     @cached_property
+    def triple_delta(self) -> dict[tuple[int, int, int], StepRow]:
+        return {triple: self._step_row(triple_delta_events(self.model, *triple)) for triple in self.model.nest_triples}
+
+    @cached_property
     def variant_delta(self) -> dict[int, StepRow]:
         return {v: self._step_row(variant_delta_events(self.model, v)) for v in self.variants}
 
@@ -189,16 +206,22 @@ class LinearMemory:
             self.seg_delta[c].add_to(total)
             for i in kept:
                 self.keep_delta[(c, i)].add_to(total)
-        for pair in nested_pairs(self.model, plan):
-            self.nest_delta[pair].add_to(total)
+        for path in nest_paths(self.model, plan):
+            self.nest_delta[path[-2:]].add_to(total)
+            if len(path) == 3:
+                self.triple_delta[path].add_to(total)
         return np.where(self.active_mask(plan), total, 0)
 
     def coefficients_at(self, j: int) -> tuple[dict[int, int], dict[tuple[int, int], int], dict[tuple[int, int], int],
-                                               dict[int, int]]:
-        """Every non-zero segment, keep, nesting and variant coefficient at point ``j``."""
+                                               dict[tuple[int, int, int], int], dict[int, int]]:
+        """Every non-zero segment, keep, nesting (pairs, then triples) and variant coefficient at point ``j``."""
         return (_nonzero_at(self.seg_delta, self._seg_spans, j), _nonzero_at(self.keep_delta, self._keep_spans, j),
-                _nonzero_at(self.nest_delta, self._nest_spans, j),
+                _nonzero_at(self.nest_delta, self._nest_spans, j), _nonzero_at(self.triple_delta, self._triple_spans, j),
                 _nonzero_at(self.variant_delta, self._variant_spans, j))
+
+    @cached_property
+    def _triple_spans(self) -> tuple[list, np.ndarray, np.ndarray]:
+        return _spans(self.triple_delta)
 
     @cached_property
     def _variant_spans(self) -> tuple[list, np.ndarray, np.ndarray]:
@@ -222,7 +245,7 @@ class LinearMemory:
         n = len(self.points)
         cuts = {0}
         rows = (*self.seg_delta.values(), *self.keep_delta.values(), *self.nest_delta.values(),
-                *self.variant_delta.values())
+                *self.triple_delta.values(), *self.variant_delta.values())
         for row in rows:
             cuts.update(row.at.tolist())
         bursts: dict = {None: -1}
@@ -235,23 +258,32 @@ class LinearMemory:
         return np.sort(order[first])
 
     def active_mask(self, plan: Plan) -> np.ndarray:
-        """The points that exist in ``plan``'s step: a nested segment's burst runs at its own
-        points, not at those of the segment chosen alone, an outer segment's burst stops
-        earlier than it would alone, and a kept op is not re-run (selective checkpointing hands
-        back its cached output without dispatching it)."""
-        nested = set(nested_pairs(self.model, plan))
-        stop = {call: frame.stop for call, frame in self.model.frames(plan).items() if frame.outer is None}
+        """The points that exist in ``plan``'s step: a nested segment's burst runs at the points
+        of its path of enclosing segments, not at those of the segment chosen alone, a burst
+        stops where its frame does under ``plan`` (an outer one earlier than alone), and a kept
+        op is not re-run (selective checkpointing hands back its cached output without
+        dispatching it)."""
+        frames = self.model.frames(plan)
+        stops = {_path(frames, call): frame.stop for call, frame in frames.items()}
         return np.array([
-            p.burst_of is None or (p.burst_of in nested if isinstance(p.burst_of, tuple)
-                                   else p.burst_of in stop and p.key[-2] < stop[p.burst_of]
-                                   and p.key[-2] not in plan[p.burst_of])
+            p.burst_of is None or (p.key[-2] < stops.get(p.burst_of, -1)
+                                   and (isinstance(p.burst_of, tuple) or p.key[-2] not in plan[p.burst_of]))
             for p in self.points
         ])
 
 
-def nested_pairs(model: SegmentModel, plan: Plan) -> list[tuple[int, int]]:
-    """The (outer, inner) pairs ``plan`` nests."""
-    return [(outer, inner) for outer, inner in model.nest_pairs if outer in plan and inner in plan]
+def nest_paths(model: SegmentModel, plan: Plan) -> list[Path]:
+    """Each segment ``plan`` nests, as its path from the outermost segment holding it."""
+    frames = model.frames(plan)
+    return [path for call in plan if isinstance(path := _path(frames, call), tuple)]
+
+
+def _path(frames: dict[int, Frame], call: int) -> int | Path:
+    """``call`` alone when no chosen segment holds it, else its path from the outermost one."""
+    path = [call]
+    while frames[path[0]].outer is not None:
+        path.insert(0, frames[path[0]].outer)
+    return tuple(path) if len(path) > 1 else call
 
 
 def _spans(rows: dict) -> tuple[list, np.ndarray, np.ndarray]:

@@ -105,7 +105,7 @@ class Planner:
             if remaining <= 0.05:
                 break
             cp, variables = build_model(self.model, rows, budget_bytes=budget_bytes, variants=self.offered)
-            add_hint(cp, variables, *hint)
+            add_hint(cp, self.model, variables, *hint)
             cp_result = solve_model(
                 cp, variables, time_limit_s=remaining, workers=workers, seed=seed,
                 on_incumbent=lambda obj, bnd, t: report(f"incumbent {obj / 1000:.3f} ms added, bound {bnd / 1000:.3f} ms, {t:.1f}s"),
@@ -216,7 +216,7 @@ class Planner:
             if remaining <= 0.05 or min(peak for peak, _, _ in candidates) <= enough_bytes:
                 break
             cp, variables = build_model(self.model, rows, budget_bytes=None, min_peak=True, variants=self.offered)
-            add_hint(cp, variables, heuristic)
+            add_hint(cp, self.model, variables, heuristic)
             cp_result = solve_model(cp, variables, time_limit_s=remaining, workers=workers, seed=seed)
             if cp_result.plan is None:
                 break

@@ -175,7 +175,9 @@ def test_segments_nest_three_deep_and_an_outer_holds_two(resnet50_small):
     stage, block, downsample, second, branch = plan
     assert sorted(nest_paths(model, plan)) == sorted([(stage, block), (stage, block, downsample), (stage, second),
                                                       (stage, second, branch)])
-    _check(resnet50_small, plan)
+    schedule = _check(resnet50_small, plan)
+    assert schedule.nested_in() == {"layer1.0": "layer1[6:42]", "layer1.0.downsample": "layer1.0",
+                                    "layer1.1": "layer1[6:42]", "layer1.1.conv3..layer1.1.bn3": "layer1.1"}
     # The innermost's argument made by the outermost: its copy comes from the outermost's recompute.
     _check(resnet50_small, {by_name[name]: frozenset() for name in ("layer1[6:42]", "layer1.1", "layer1.1.conv1..layer1.1.bn1")})
     deeper = {by_name["layer1"]: frozenset(), **plan}

@@ -222,9 +222,15 @@ class Schedule(_Header):
         return tuple(k for k in self.keeps if k.segment == segment)
 
     def nested_in(self) -> dict[str, str]:
-        """Module of each nested segment -> module of the segment it runs in."""
-        return {inner.module: outer.module for inner in self.segments for outer in self.segments
-                if outer is not inner and outer.first_op <= inner.first_op and inner.end_op <= outer.end_op}
+        """Module of each nested segment -> module of the nearest segment it runs in."""
+        nearest: dict[str, SegmentDecision] = {}
+        for inner in self.segments:
+            for outer in self.segments:
+                if outer is not inner and outer.first_op <= inner.first_op and inner.end_op <= outer.end_op:
+                    known = nearest.get(inner.module)
+                    if known is None or outer.end_op - outer.first_op < known.end_op - known.first_op:
+                        nearest[inner.module] = outer
+        return {inner: outer.module for inner, outer in nearest.items()}
 
 
 OMITTED_WHEN_DEFAULT = frozenset({

@@ -5,7 +5,8 @@ Per workload (the shipped configs, and the real-models issue's GPT-2 and LLaMA r
 batch 16 x 128 tokens), one fresh profile, then the minimum peak with:
 
 1. module calls: one segment per module call, none nested (what monet started with);
-2. + nesting: a segment may hold its nearest sub-segment (recursive checkpointing);
+2. + nesting: a segment may hold nested sub-segments, each its nearest (recursive
+   checkpointing, three levels deep, several in one outer segment);
 3. + chains: a segment may span a run of sibling calls (``core.segments.sibling_chains``);
 4. + ranges: a segment may be a stretch of one module's forward, its own code included
    (``core.ranges.op_ranges``);

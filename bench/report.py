@@ -369,10 +369,10 @@ def reach_table(reach: dict[str, Any]) -> str:
     families = [label for label, _, _ in FAMILIES]
     lines = [
         "`bench/reach.py`: one fresh profile per workload; the smallest peak the solver finds with module-call",
-        "segments alone, then adding nesting (a segment holding its nearest sub-segment), chains (one segment over a",
-        "run of sibling calls, such as a ResNet's stem), op ranges (a stretch of one module's forward with its own",
-        "code, such as a residual add; a range may run nested in its module's segment) and operator variants. The",
-        "last floor's schedule is run",
+        "segments alone, then adding nesting (segments holding nested sub-segments, three levels deep, several in",
+        "one), chains (one segment over a run of sibling calls, such as a ResNet's stem), op ranges (a stretch of one",
+        "module's forward with its own code, such as a residual add; a range may run nested in its module's segment)",
+        "and operator variants. The last floor's schedule is run",
         "against the unmodified model with its own predicted peak as the budget. \"x less activations\" =",
         "(baseline peak - fixed) / (peak - fixed), fixed = parameters, gradients and optimizer state. The gpt2 and",
         "llama rows are the real-models issue's reproductions (batch 16 x 128 tokens).",

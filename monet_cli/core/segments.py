@@ -46,7 +46,9 @@ VARIANT_MODELS_CACHED = 8
 """Variant sets whose rewritten profile ``SegmentModel.with_variants`` keeps (a solve checks a few)."""
 
 NEST_LEVELS = 3
-"""Chosen segments nest at most this deep: a stage holding a block holding a branch."""
+"""Chosen segments nest at most this deep: a stage holding a block holding a branch. The
+solver models it with nest pairs and triples (``nest_triples``); a fourth level would need
+a family of its own."""
 
 MAX_NESTED_CHILDREN = 8
 """A segment with more sub-segments than this (a stack of layers) holds none nested."""

@@ -187,14 +187,15 @@ def _add_overlaps(cp: cp_model.CpModel, model: SegmentModel, v: Variables) -> No
             cp.add_implication(var, ~v.seg[between])  # nested in the nearest chosen segment
     for c in model.segments:
         cp.add(sum(v.nest[o, c] for o in outers[c]) <= v.seg[c])
-        enclosing = [a for a in model.ancestors[c][1:] if a in v.seg]
-        for k, ancestor in enumerate(enclosing):
+        nearer: list[cp_model.IntVar] = []  # c's nest variables whose outer is at most as far as ``ancestor``
+        for ancestor in (a for a in model.ancestors[c][1:] if a in v.seg):
+            if ancestor in outers[c]:
+                nearer.append(v.nest[ancestor, c])
             if (ancestor, c) not in model.nestable:
                 cp.add_at_most_one([v.seg[c], v.seg[ancestor]])
                 continue
             # Both chosen: c is nested in its nearest chosen segment, one of its nest pairs'
             # outer segments up to ``ancestor``.
-            nearer = [v.nest[o, c] for o in outers[c] if o in enclosing[:k + 1]]
             cp.add(v.seg[c] + v.seg[ancestor] <= 1 + sum(nearer))
     for a, b in model.crossing_pairs:
         cp.add_at_most_one([v.seg[a], v.seg[b]])
@@ -251,8 +252,9 @@ def _add_memory_row(cp: cp_model.CpModel, v: Variables, row: MemoryRow, limit: c
 
 def add_hint(cp: cp_model.CpModel, model: SegmentModel, v: Variables, plan: Plan, variants: Variants = frozenset()) -> None:
     paths = set(nest_paths(model, plan))
-    for (outer, inner), var in v.nest.items():
-        cp.add_hint(var, any(path[-2:] == (outer, inner) for path in paths))
+    links = {path[-2:] for path in paths}
+    for pair, var in v.nest.items():
+        cp.add_hint(var, pair in links)
     for triple, var in v.triple.items():
         cp.add_hint(var, triple in paths)
     for index, var in v.variant.items():

@@ -70,11 +70,11 @@ def log(message: str) -> None:
     print(f"[bench {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
-def monet_points(profile: Profile, fractions: list[int], at_peaks: list[tuple[str, int]], time_limit: float,
+def monet_points(planner: Planner, fractions: list[int], at_peaks: list[tuple[str, int]], time_limit: float,
                  workers: int) -> list[tuple[Any, dict]]:
     """Solve each budget (percent of the baseline peak) until one is infeasible, then one budget
     at each of ``at_peaks`` (a method's measured peak: monet against it at equal memory)."""
-    planner = Planner(SegmentModel(profile))
+    profile = planner.profile
     points = []
     budgets = [(f"{pct}%", profile.baseline.peak_bytes * pct // 100) for pct in fractions]
     hint = None
@@ -108,10 +108,10 @@ def _solve_point(planner: Planner, spec: str, budget: int, time_limit: float, wo
     }
 
 
-def simulated(profile: Profile, checkpointed: list[str]) -> dict[str, Any]:
+def simulated(model: SegmentModel, checkpointed: list[str]) -> dict[str, Any]:
     """The simulator's peak and overhead for checkpointing the modules ``checkpointed``, each a
     whole segment with nothing kept: the time model checked on the plans people write by hand."""
-    model = SegmentModel(profile)
+    profile = model.profile
     plan = {seg.call: frozenset() for seg in model.segments.values() if not seg.members and not seg.range
             and seg.fqn in checkpointed}
     if len(plan) != len(checkpointed):
@@ -182,7 +182,8 @@ def run_workload(w: Workload, device: torch.device, *, repeats: int, fractions: 
             log(str(err))
     log(f"{w.name}: solving")
     at_peaks = [(f"at {m.name}", settled_peak(m)) for m in eager[1:]] if at_block_peaks else []
-    solved = monet_points(profile, fractions, at_peaks, time_limit, workers)
+    planner = Planner(SegmentModel(profile))
+    solved = monet_points(planner, fractions, at_peaks, time_limit, workers)
     log(f"{w.name}: building methods")
     eager += [M.monet(spec, device, schedule, info) for schedule, info in solved]
     log(f"{w.name}: measuring {len(eager)} eager methods x {repeats} repeats")
@@ -196,7 +197,7 @@ def run_workload(w: Workload, device: torch.device, *, repeats: int, fractions: 
         else:
             row["info"] = m.info
         if m.kind == "pytorch":
-            row.update(simulated(profile, m.info["checkpointed"]))
+            row.update(simulated(planner.model, m.info["checkpointed"]))
         points.append(row)
     if w.transformer and compile_budgets:
         log(f"{w.name}: torch.compile budgets {compile_budgets}")

@@ -51,7 +51,9 @@ solver models it with nest pairs and triples (``nest_triples``); a fourth level 
 a family of its own."""
 
 MAX_NESTED_CHILDREN = 8
-"""A segment with more sub-segments than this (a stack of layers) holds none nested."""
+"""A segment with more sub-segments than this (a stack of layers) holds none nested. On
+resnet50 (batch 32, 128 px) 12 found the same smallest peak three deep as 8, and a 50% solve
+took 50 s instead of 42 s (one profile, before the overlap constraints were tightened)."""
 
 
 CHAIN = "chain"

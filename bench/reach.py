@@ -31,6 +31,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -42,7 +43,8 @@ from monet_cli.core.plan import build_schedule  # noqa: E402
 from monet_cli.core.profile import InputSpec, ModelSpec, Profile, load_profile  # noqa: E402
 from monet_cli.core.schedule import SolverInfo  # noqa: E402
 from monet_cli.core.segments import SegmentModel  # noqa: E402
-from monet_cli.core.simulate import Plan, Variants, memory_events, simulate  # noqa: E402
+from monet_cli.core.simulate import Plan, Variants, simulate  # noqa: E402
+from monet_cli.core.solver.linear import LinearMemory  # noqa: E402
 from monet_cli.core.solver.search import Planner  # noqa: E402
 from monet_cli.core.units import format_bytes  # noqa: E402
 from monet_cli.profiler.run import profile_model  # noqa: E402
@@ -101,17 +103,13 @@ def binding_points(model: SegmentModel, plan: Plan, variants: Variants) -> list[
     """Where the floor's simulated step comes within ``NEAR_PEAK`` of its peak, one entry per
     position in step order: what runs there (a recompute names the module of the op it re-runs).
     A lower floor must lower all of them."""
-    events = sorted(memory_events(model, plan, variants), key=lambda event: event[0])
-    running, highest = 0, {}
-    for key, delta in events:
-        running += delta
-        if delta > 0:
-            highest[key] = max(highest.get(key, 0), running)
-    peak = max(highest.values())
+    linear = LinearMemory(model)
+    live = np.where(linear.active_mask(plan), linear.live(plan, variants), 0)
     near: dict[int, tuple[int, tuple[int, ...]]] = {}
-    for key, live in highest.items():
-        if live >= (1 - NEAR_PEAK) * peak and live > near.get(key[0], (0, key))[0]:
-            near[key[0]] = (live, key)
+    for j in np.flatnonzero(live >= (1 - NEAR_PEAK) * live.max()):
+        key = linear.points[j].key
+        if live[j] > near.get(key[0], (0, key))[0]:
+            near[key[0]] = (int(live[j]), key)
     return [f"{_what_runs(model.profile, key)} ({format_bytes(live)})" for live, key in (near[p] for p in sorted(near))]
 
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any, Literal
@@ -223,14 +224,8 @@ class Schedule(_Header):
 
     def nested_in(self) -> dict[str, str]:
         """Module of each nested segment -> module of the nearest segment it runs in."""
-        nearest: dict[str, SegmentDecision] = {}
-        for inner in self.segments:
-            for outer in self.segments:
-                if outer is not inner and outer.first_op <= inner.first_op and inner.end_op <= outer.end_op:
-                    known = nearest.get(inner.module)
-                    if known is None or outer.end_op - outer.first_op < known.end_op - known.first_op:
-                        nearest[inner.module] = outer
-        return {inner: outer.module for inner, outer in nearest.items()}
+        return {segment.module: enclosing[-1].module for segment, enclosing in _enclosing(self.segments)
+                if enclosing and segment.end_op <= enclosing[-1].end_op}
 
 
 OMITTED_WHEN_DEFAULT = frozenset({
@@ -297,21 +292,29 @@ def _nesting_problem(schedule: Schedule) -> str:
     """Segments may overlap only nested: each inside the ones enclosing it, at most
     ``NEST_LEVELS`` deep, none of them keeping anything."""
     keeping = {k.segment for k in schedule.keeps}
-    open_segments: list[SegmentDecision] = []  # the segments enclosing the next one, outermost first
-    for segment in sorted(schedule.segments, key=lambda s: (s.first_op, -s.end_op)):
+    for segment, enclosing in _enclosing(schedule.segments):
+        if not enclosing:
+            continue
+        outer = enclosing[-1]
+        names = f"'{outer.module}' and '{segment.module}'"
+        if segment.end_op > outer.end_op:
+            return f"decisions: segments {names} overlap"
+        if keeping.intersection((outer.module, segment.module)):
+            return f"decisions: segments {names} are nested and keep ops (nested segments recompute everything)"
+        if len(enclosing) >= NEST_LEVELS:
+            return f"decisions: segments {names} nest deeper than {NEST_LEVELS} levels"
+    return ""
+
+
+def _enclosing(segments: tuple[SegmentDecision, ...]) -> Iterator[tuple[SegmentDecision, tuple[SegmentDecision, ...]]]:
+    """Each segment in op order, with the segments opened before it and not closed yet,
+    outermost first (the last is the nearest one it runs in)."""
+    open_segments: list[SegmentDecision] = []
+    for segment in sorted(segments, key=lambda s: (s.first_op, -s.end_op)):
         while open_segments and open_segments[-1].end_op <= segment.first_op:
             open_segments.pop()
-        if open_segments:
-            outer = open_segments[-1]
-            names = f"'{outer.module}' and '{segment.module}'"
-            if segment.end_op > outer.end_op:
-                return f"decisions: segments {names} overlap"
-            if keeping.intersection((outer.module, segment.module)):
-                return f"decisions: segments {names} are nested and keep ops (nested segments recompute everything)"
-            if len(open_segments) >= NEST_LEVELS:
-                return f"decisions: segments {names} nest deeper than {NEST_LEVELS} levels"
+        yield segment, tuple(open_segments)
         open_segments.append(segment)
-    return ""
 
 
 def _variant_problem(schedule: Schedule) -> str:

@@ -157,13 +157,15 @@ def test_loader_rejects_changed_types(resnet18_profile):
 
 def test_a_recompute_runs_the_forward_code_around_each_op_again(resnet18_profile):
     """A recompute pays the measured code cost for every op it re-runs, kept ones too (their
-    code runs, their kernels do not)."""
+    code runs, their kernels do not). Here without the calls' wall times, as in profiles
+    made before they were measured."""
     from dataclasses import replace
 
     from monet_cli.core.segments import SegmentModel
 
     costs = replace(resnet18_profile.overheads, python_op_ms=0.02)
-    model = SegmentModel(replace(resnet18_profile, overheads=costs))
+    calls = tuple(replace(call, time_ms=None) for call in resnet18_profile.calls)
+    model = SegmentModel(replace(resnet18_profile, overheads=costs, calls=calls))
     ops = resnet18_profile.ops
     for call, seg in model.segments.items():
         if seg.burst_pos is None:
@@ -173,6 +175,45 @@ def test_a_recompute_runs_the_forward_code_around_each_op_again(resnet18_profile
         for kept in seg.candidates[:1]:
             saved = model.recompute_ms(call) - model.recompute_ms(call, frozenset({kept}))
             assert saved == pytest.approx(ops[kept].time_ms)
+
+
+def test_module_calls_are_timed_in_the_plain_step_that_gives_the_step_time(resnet18_profile):
+    """Every call's forward has a wall time; a call's time holds its sub-calls' (nested spans
+    of one clock), and the model's forward lies inside the step."""
+    calls = resnet18_profile.calls
+    assert all(call.time_ms is not None and call.time_ms > 0 for call in calls)
+    for call in calls:
+        inside = sum(c.time_ms for c in calls if c.parent == call.index)
+        assert call.time_ms >= inside - 1e-3 * (1 + len(calls)), call.fqn  # rounded to 1e-4 ms each
+    assert calls[0].parent is None and calls[0].time_ms <= resnet18_profile.baseline.step_ms
+
+
+def test_a_recompute_costs_the_wall_time_of_the_code_it_re_runs(resnet18_profile):
+    """A whole call's recompute costs its forward's wall time; a stretch of a call (an op range,
+    a chain, an early stop) its ops' timed sum scaled as the call's; a kept op saves its share."""
+    from dataclasses import replace
+
+    from monet_cli.core.segments import SegmentModel
+
+    model = SegmentModel(replace(resnet18_profile, overheads=replace(resnet18_profile.overheads, python_op_ms=0.0)))
+    ops, calls = resnet18_profile.ops, resnet18_profile.calls
+    checked = {"whole": 0, "stretch": 0}
+    for call, seg in model.segments.items():
+        if seg.burst_pos is None:
+            continue
+        runs_in = model.calls[call].parent if call in model.members or call in model.ranges else call
+        scale = calls[runs_in].time_ms / sum(op.time_ms for op in ops[calls[runs_in].first_op:calls[runs_in].end_op])
+        assert model.code_scale[runs_in] == pytest.approx(scale)
+        if runs_in == call and seg.stop == seg.end_op:
+            assert model.recompute_ms(call) == pytest.approx(calls[call].time_ms, rel=1e-3), seg.fqn
+            checked["whole"] += 1
+        else:
+            assert model.recompute_ms(call) == pytest.approx(scale * sum(op.time_ms for op in ops[seg.first_op:seg.stop]))
+            checked["stretch"] += 1
+        for kept in seg.candidates[:1]:
+            saved = model.recompute_ms(call) - model.recompute_ms(call, frozenset({kept}))
+            assert saved == pytest.approx(min(1.0, scale) * ops[kept].time_ms)
+    assert checked["whole"] >= 8 and checked["stretch"] >= 8, checked
 
 
 def test_checkpoint_machinery_is_priced_per_saved_tensor(resnet18_profile):

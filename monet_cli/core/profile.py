@@ -198,6 +198,10 @@ class ModuleCall:
     """Storages of its tensor arguments: checkpoint holds them until its backward is done."""
     reason: str = ""
     """Why the call is not checkpointable (empty when it is)."""
+    time_ms: float | None = None
+    """Median wall time of its forward in plain steps, its Python included: what re-running the
+    call costs, where its ops' timed sum is what their kernels cost. None in profiles made
+    before it was measured."""
 
 
 @flow_row

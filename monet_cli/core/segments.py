@@ -456,15 +456,34 @@ class SegmentModel:
         return stop, min(unpacks) if unpacks else None, frame_end, saves
 
     def recompute_ms(self, call_index: int, kept: frozenset[int] = frozenset(), frame: Frame | None = None) -> float:
-        """Profiled time of the ops a segment's recompute re-runs (as ``frame`` when nested), and
-        of the forward code that runs again around each of them."""
+        """Time of a segment's recompute (as ``frame`` when nested): the ops it re-runs, timed one
+        by one, scaled to the wall time of the module call whose code runs them
+        (``code_scale``), and a kept op's share of that code, which runs while its kernel does
+        not; plus ``python_op_ms`` per op, what the probe measured beyond that."""
         seg = self.segments[call_index]
         stop, burst_pos = (frame.stop, frame.burst_pos) if frame else (seg.stop, seg.burst_pos)
         if burst_pos is None:
             return 0.0
         ops = self.profile.ops
-        code = self.profile.overheads.python_op_ms * (stop - seg.first_op)
-        return sum((ops[i].time_ms for i in range(seg.first_op, stop) if i not in kept), code)
+        rerun = sum(ops[i].time_ms for i in range(seg.first_op, stop) if i not in kept)
+        kept_ms = sum(ops[i].time_ms for i in kept if seg.first_op <= i < stop)
+        scale = self.code_scale[self.calls[call_index].parent if call_index in self.members or call_index in self.ranges
+                                else call_index]
+        code = self.profile.overheads.python_op_ms * (stop - seg.first_op) + max(0.0, scale - 1.0) * kept_ms
+        return scale * rerun + code
+
+    @cached_property
+    def code_scale(self) -> dict[int, float]:
+        """Module call -> the wall time of its forward over its ops' timed sum (1.0 where the
+        profile has no wall time, or the call runs no timed op). A segment's recompute runs
+        the code of the call it is a stretch of: a chain's or a range's parent, else its own."""
+        ops = self.profile.ops
+        scales: dict[int, float] = defaultdict(lambda: 1.0)
+        for call in self.profile.calls:
+            timed = sum(op.time_ms for op in ops[call.first_op:call.end_op])
+            if call.time_ms is not None and timed > 0:
+                scales[call.index] = call.time_ms / timed
+        return scales
 
     def overhead_ms(self, call_index: int, kept: frozenset[int] = frozenset(), frame: Frame | None = None) -> float:
         """Checkpoint machinery time of a segment: the call, each tensor saved through its

@@ -384,13 +384,67 @@ class OpTimer(TorchDispatchMode):
         return out
 
 
+class CallTimer:
+    """A plain step's wall time, and each module call's forward in it, in call order (its
+    Python included).
+
+    A recompute re-runs a call's code, not only its ops: the op timer sees kernels alone, and
+    its dispatch mode slows them unevenly. Global module hooks cost a few microseconds a call
+    and no dispatch mode runs, so the step runs as a plain one does, and the calls' times and
+    the step's come from the same step."""
+
+    def __init__(self, workload: Workload) -> None:
+        self.workload = workload
+        self.times_ms: list[float] = []
+        self._open: list[tuple[int, float]] = []
+        self._forward = False
+
+    def step(self) -> tuple[float, list[float]]:
+        """One step, grads cleared first: (its wall time, the forward's call times), in ms."""
+        self.times_ms, self._forward = [], True
+        handles = [
+            torch.nn.modules.module.register_module_forward_pre_hook(self._pre_hook),
+            torch.nn.modules.module.register_module_forward_hook(self._post_hook),
+        ]
+        try:
+            self.workload.sync()
+            start = time.perf_counter()
+            self.workload.zero_grad()
+            self.workload.step(on_phase=self._on_phase)
+            self.workload.sync()
+            step_ms = (time.perf_counter() - start) * 1000.0
+        finally:
+            for handle in handles:
+                handle.remove()
+        return step_ms, self.times_ms
+
+    def _on_phase(self, phase: str, _loss: torch.Tensor) -> None:
+        self._forward = False
+
+    def _pre_hook(self, module: torch.nn.Module, args: object) -> None:
+        if self._forward:
+            self.workload.sync()
+            self._open.append((len(self.times_ms), time.perf_counter()))
+            self.times_ms.append(0.0)
+
+    def _post_hook(self, module: torch.nn.Module, args: object, output: object) -> None:
+        if self._forward and self._open:
+            self.workload.sync()
+            index, start = self._open.pop()
+            self.times_ms[index] = (time.perf_counter() - start) * 1000.0
+
+
 @dataclass
 class Timings:
     step_ms: list[float] = field(default_factory=list)
     op_ms: list[list[float]] = field(default_factory=list)
+    call_ms: list[list[float]] = field(default_factory=list)
 
     def median_step_ms(self) -> float:
         return statistics.median(self.step_ms)
 
     def median_op_ms(self) -> list[float]:
         return [statistics.median(column) for column in zip(*self.op_ms)]
+
+    def median_call_ms(self) -> list[float]:
+        return [statistics.median(column) for column in zip(*self.call_ms)]

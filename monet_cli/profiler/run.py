@@ -30,7 +30,7 @@ from monet_cli.core.profile import (
 )
 from monet_cli.core.variants import find_sites
 from monet_cli.errors import ModelError
-from monet_cli.profiler.capture import LifetimeRecorder, OpTimer, StepRecorder, Timings
+from monet_cli.profiler.capture import CallTimer, LifetimeRecorder, OpTimer, StepRecorder, Timings
 from monet_cli.profiler.overheads import measure_overheads
 from monet_cli.profiler.probe import probe_overheads
 from monet_cli.profiler.rehearse import Rehearsal
@@ -80,7 +80,9 @@ def profile_model(
         progress(f"timing ops (step {i + 1}/{steps})")
         timings.op_ms.append(run_checked(lambda: _timed_ops(workload, recorder), "timed step"))
         progress(f"timing steps (step {i + 1}/{steps})")
-        timings.step_ms.append(run_checked(lambda: workload.timed_step(), "timed step"))
+        step_ms, call_ms = run_checked(lambda: _timed_calls(workload, recorder), "timed step")
+        timings.step_ms.append(step_ms)
+        timings.call_ms.append(call_ms)
     reasons = structural_reasons(recorder)
     progress("rehearsing recomputes")
     candidates = [call.fqn for call in recorder.calls if not reasons[call.index]]
@@ -105,6 +107,13 @@ def _timed_ops(workload: Workload, recorder: StepRecorder) -> list[float]:
     if timer.names != expected:
         raise ModelError("the model ran different ops in two steps; monet needs the same ops every step")
     return timer.times_ms
+
+
+def _timed_calls(workload: Workload, recorder: StepRecorder) -> tuple[float, list[float]]:
+    step_ms, call_ms = CallTimer(workload).step()
+    if len(call_ms) != len(recorder.calls):
+        raise ModelError("the model made different module calls in two steps; monet needs the same calls every step")
+    return step_ms, call_ms
 
 
 # -- turning raw records into the Profile ---------------------------------------------
@@ -156,7 +165,7 @@ def build_profile(
                        workspace_bytes=op.workspace)
             for op in recorder.ops[len(forward):]
         ),
-        calls=_call_records(recorder, reasons),
+        calls=_call_records(recorder, reasons, timings.median_call_ms()),
         storages=storages,
         packs=tuple(
             PackRecord(storage=p.storage, call=p.call, pos=p.pos, unpack=p.unpack, release=p.release)
@@ -263,11 +272,12 @@ def _writes_earlier_activation(recorder: StepRecorder, activations: set[int], fi
     )
 
 
-def _call_records(recorder: StepRecorder, reasons: list[str]) -> tuple[ModuleCall, ...]:
+def _call_records(recorder: StepRecorder, reasons: list[str], call_ms: list[float]) -> tuple[ModuleCall, ...]:
     return tuple(
         ModuleCall(
             index=c.index, fqn=c.fqn, type=c.type, first_op=c.first_op, end_op=c.end_op, parent=c.parent,
             checkpointable=not reasons[c.index], inputs=tuple(c.inputs), reason=reasons[c.index],
+            time_ms=round(call_ms[c.index], 4),
         )
         for c in recorder.calls
     )

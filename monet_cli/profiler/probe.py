@@ -1,21 +1,23 @@
 """Price checkpointing on the model's own code: what a recompute and an op range really cost.
 
-The profile prices a recompute at its ops' timed sum, and an op range's tape on a chain of
-one-argument ops (``overheads.py``). On a real block both fall short: a recompute runs the
-forward's code again (module calls, the model's Python, autograd's graph), which no op timer
-sees; and the model's own ops cost the tape more than tanh does (views with size lists,
-transposes, splits into lists). On tiny_gpt (batch 16, on a fast spell of this machine) a
-checkpointed block took 8.9 ms where its ops summed to 7.0; a range's recorder took about 45
-us per own op in the forward, where the chain priced recording and replay together at 2 to
-34 us.
+The profile prices a recompute at the wall time of the forward code it re-runs (its calls'
+forwards, timed in plain steps), the frame on a chain of one-argument ops, and an op range's
+tape on the same chain (``overheads.py``). On a real block both can fall short: the frame
+packs and unpacks the model's tensors during backward; and the model's own ops cost the tape
+more than tanh does (views with size lists, transposes, splits into lists). On tiny_gpt
+(batch 16, on a fast spell of this machine) a checkpointed block took 8.9 ms where its ops
+summed to 7.0; a range's recorder took about 45 us per own op in the forward, where the chain
+priced recording and replay together at 2 to 34 us.
 
 So where the profile offers ranges, the module holding the most own ops among their modules
-is run alone, on copies, on the inputs it gets in the step, forward and backward, interleaved:
-as PyTorch runs it, under plain checkpoint, and as one op range over its whole forward.
-Checkpoint minus plain, beyond what the profile prices (its ops, the frame and its saved
-tensors), divided by the ops the recompute re-runs, is the code cost of each re-run op. The
-range minus checkpoint (both re-run the same ops under the same frame: the range adds its
-tape) divided by its own ops is the tape's price per own op.
+is run alone, on copies, on the inputs it gets in the step, interleaved: its forward alone,
+and forward and backward as PyTorch runs it, under plain checkpoint, and as one op range over
+its whole forward. The forward against the call's wall time in the profile's steps says how
+fast the machine runs now, and the differences below are taken in the profile's time.
+Checkpoint minus plain, beyond what the profile prices (the recompute, the frame and its
+saved tensors), divided by the ops the recompute re-runs, is the extra cost of each re-run
+op. The range minus checkpoint (both re-run the same ops under the same frame: the range adds
+its tape) divided by its own ops is the tape's price per own op.
 """
 
 from __future__ import annotations
@@ -64,18 +66,20 @@ def probe_overheads(workload: Workload, profile: Profile) -> Overheads:
     if probe is None:
         return profile.overheads
     try:
-        plain_ms, checkpoint_ms, range_ms = _timed(workload, probe.range)
+        forward_ms, plain_ms, checkpoint_ms, range_ms = _timed(workload, probe.range)
     except Exception as err:  # a module that cannot run alone: the model's own step is not at stake
         warnings.warn(f"monet: checkpointing keeps its generic prices: timing '{probe.range.within}' alone failed "
                       f"({type(err).__name__}: {err})", stacklevel=2)
         return profile.overheads
     seg = model.segments[probe.call]
+    wall_ms = profile.calls[probe.call].time_ms
+    now = forward_ms / wall_ms if wall_ms else 1.0  # this machine's speed now over the profile's steps'
     priced = model.recompute_ms(probe.call) + model.overhead_ms(probe.call)
     rerun = seg.stop - seg.first_op
     return replace(
         profile.overheads,
-        python_op_ms=round(max(0.0, (checkpoint_ms - plain_ms - priced) / rerun), 6),
-        range_op_ms=round(max(0.0, (range_ms - checkpoint_ms) / probe.range.own_ops), 6),
+        python_op_ms=round(max(0.0, ((checkpoint_ms - plain_ms) / now - priced) / rerun), 6),
+        range_op_ms=round(max(0.0, (range_ms - checkpoint_ms) / now / probe.range.own_ops), 6),
     )
 
 
@@ -99,15 +103,17 @@ def _probe(model: SegmentModel) -> _Probe | None:
     return best[1] if best else None
 
 
-def _timed(workload: Workload, whole: SegmentDecision) -> tuple[float, float, float]:
-    """Median ms of the module's forward and backward: plain, under checkpoint, as the range."""
+def _timed(workload: Workload, whole: SegmentDecision) -> tuple[float, float, float, float]:
+    """Median ms of the module's forward alone, and of its forward and backward: plain, under
+    checkpoint, as the range."""
     module = dict(workload.model.named_modules())[whole.within]
     inputs = _inputs_of(workload, module)
     plain, checkpointed, ranged = (copy.deepcopy(module) for _ in range(3))
     inside = dict(ranged.named_modules())
     calls = [inside[path.removeprefix(f"{whole.within}.")] for path in whole.calls]
     RangeSegment(whole, ranged, calls, MachineryMarker()).install()
-    runs = (_step(plain, inputs), _step(checkpointed, inputs, checkpointed=True), _step(ranged, inputs))
+    runs = (_forward(plain, inputs), _step(plain, inputs), _step(checkpointed, inputs, checkpointed=True),
+            _step(ranged, inputs))
     rounds = _interleaved(runs, workload)
     return tuple(statistics.median(column) for column in zip(*rounds))  # type: ignore[return-value]
 
@@ -133,6 +139,15 @@ def _leaf(value: Any) -> Any:
     if not isinstance(value, torch.Tensor):
         return value
     return value.detach().clone().requires_grad_(value.is_floating_point())
+
+
+def _forward(module: nn.Module, inputs: tuple[tuple, dict]) -> Callable[[], None]:
+    args, kwargs = inputs
+
+    def run() -> None:
+        module(*args, **kwargs)
+
+    return run
 
 
 def _step(module: nn.Module, inputs: tuple[tuple, dict], *, checkpointed: bool = False) -> Callable[[], None]:

@@ -168,6 +168,10 @@ def targets(result: dict[str, Any]) -> list[str]:
     return lines
 
 
+def mean_abs(values: list[float]) -> float:
+    return sum(abs(v) for v in values) / len(values)
+
+
 def analysis(result: dict[str, Any]) -> list[str]:
     """Measured reasons behind the time targets: prediction gap and timing noise."""
     timed = [p for p in result["points"] if p.get("predicted_overhead") is not None and "peak_bytes" in p]
@@ -177,10 +181,17 @@ def analysis(result: dict[str, Any]) -> list[str]:
         gaps = [100 * (p["overhead"] - p["predicted_overhead"]) for p in timed if p["kind"] == kind]
         if gaps:
             lines.append(f"- measured minus predicted overhead at {label}: {min(gaps):+.1f} to {max(gaps):+.1f} points "
-                         f"(mean {sum(gaps) / len(gaps):+.1f})")
+                         f"(mean {sum(gaps) / len(gaps):+.1f}, mean absolute {mean_abs(gaps):.1f})")
+        before = [100 * (p["overhead"] - p["predicted_overhead_op_sums"]) for p in timed
+                  if p["kind"] == kind and "predicted_overhead_op_sums" in p]
+        if before:
+            lines.append(f"  - the same points against the time model that priced a recompute at its ops' timed sum "
+                         f"(before the calls' wall times): {min(before):+.1f} to {max(before):+.1f} points "
+                         f"(mean {sum(before) / len(before):+.1f}, mean absolute {mean_abs(before):.1f})")
     if timed:
-        lines.append("- the prediction counts the profiled time of re-run ops and the checkpoint machinery measured by "
-                     "`monet profile`; where the rest goes: \"Where a checkpointed step's added time goes\" below")
+        lines.append("- the prediction counts the wall time of the forward code a recompute re-runs (each module call "
+                     "timed in plain steps) and the checkpoint machinery measured by `monet profile`; where the rest "
+                     "goes: \"Where a checkpointed step's added time goes\" below")
     noise = spread(base.get("step_ms_all") or [])
     if noise is not None:
         lines.append(f"- timing noise: the unmodified step's own repeats spread over {100 * noise:.1f}% of its median")
@@ -417,7 +428,8 @@ def time_gap_table(gap: dict[str, Any]) -> str:
         "phase by phase; a wrapper times each block's recompute inside backward (no dispatch mode in the way).",
         "Medians, in % of the unmodified step: measured parts of the step measured beside it, the model's parts of",
         "the step of its own profile (this machine's speed drifts between the two). \"Recompute, model\" is the",
-        "profiled forward time of the re-run ops; \"machinery, model\" what `monet profile` measures checkpoint",
+        "wall time of the re-run blocks' forwards in the profile's plain steps (and the probe's extra cost per re-run",
+        "op, where a module qualifies); \"machinery, model\" what `monet profile` measures checkpoint",
         "itself costs on a synthetic chain; \"forward\" the added forward (checkpoint's frames and packing);",
         "\"backward rest\" the added backward time outside the recompute (unpacking, the autograd engine).",
         "",

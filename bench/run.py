@@ -17,12 +17,13 @@ docs/benchmarks.md and plots.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import platform
 import statistics
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +33,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench import methods as M  # noqa: E402
-from monet_cli.core.plan import solve_schedule  # noqa: E402
+from monet_cli.core.plan import plan_of, solve_schedule, variants_of  # noqa: E402
 from monet_cli.core.profile import InputSpec, Profile  # noqa: E402
 from monet_cli.core.segments import SegmentModel  # noqa: E402
 from monet_cli.core.simulate import simulate  # noqa: E402
@@ -102,7 +103,10 @@ def _solve_point(planner: Planner, spec: str, budget: int, time_limit: float, wo
         return None
     return schedule, {
         "budget_bytes": budget, "predicted_peak_bytes": schedule.predicted.peak_bytes,
-        "predicted_overhead": schedule.predicted.overhead, "solve_time_s": outcome.time_s,
+        "predicted_overhead": schedule.predicted.overhead,
+        "predicted_overhead_op_sums": op_sum_overhead(planner.model, plan_of(schedule),
+                                                      variants_of(schedule, planner.profile)),
+        "solve_time_s": outcome.time_s,
         "status": outcome.status, "gap": outcome.gap, "segments": len(schedule.segments),
         "kept_ops": len(schedule.keeps),
     }
@@ -117,7 +121,22 @@ def simulated(model: SegmentModel, checkpointed: list[str]) -> dict[str, Any]:
     if len(plan) != len(checkpointed):
         raise ValueError(f"{len(checkpointed) - len(plan)} of the checkpointed blocks are not segments of the profile")
     result = simulate(profile, plan, model=model)
-    return {"predicted_peak_bytes": result.peak_bytes, "predicted_overhead": result.added_ms / profile.baseline.step_ms}
+    return {"predicted_peak_bytes": result.peak_bytes, "predicted_overhead": result.added_ms / profile.baseline.step_ms,
+            "predicted_overhead_op_sums": op_sum_overhead(model, plan)}
+
+
+def op_sum_overhead(model: SegmentModel, plan: dict, variants: frozenset[int] = frozenset()) -> float:
+    """The overhead the time model before the calls' wall times predicts for the same plan (a
+    recompute priced at its ops' timed sum): both models against one measurement."""
+    unwalled = _unwalled(model)
+    return simulate(unwalled.profile, plan, model=unwalled, variants=variants).added_ms / model.profile.baseline.step_ms
+
+
+@functools.cache
+def _unwalled(model: SegmentModel) -> SegmentModel:
+    profile = model.profile
+    calls = tuple(replace(call, time_ms=None) for call in profile.calls)
+    return SegmentModel(replace(profile, calls=calls), offer_offloads=False, like=model)
 
 
 def live_peak(method: M.Method) -> int:

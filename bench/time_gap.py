@@ -1,7 +1,8 @@
 """Where a checkpointed step's added time goes, measured inside real steps.
 
-The time model prices a schedule as the profiled forward time of the ops it re-runs plus the
-checkpoint machinery ``monet profile`` measures on a synthetic chain. This bench checks each
+The time model prices a schedule as the wall time of the forward code it re-runs (each module
+call timed in the profile's plain steps) plus the checkpoint machinery ``monet profile``
+measures on a synthetic chain. This bench checks each
 part against a real step. Per workload: one fresh profile; the schedule that checkpoints
 every block (no ops kept); the unmodified step and the scheduled one timed interleaved,
 phase by phase (forward, backward, optimizer step). Inside the scheduled backward, a wrapper

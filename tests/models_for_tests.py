@@ -140,6 +140,28 @@ def counting_net() -> nn.Module:
     return nn.Sequential(nn.Linear(16, 16), _Counting(), nn.Linear(16, 4))
 
 
+class _FirstForwardsOnly(nn.Module):
+    """Calls ``self.tap`` (no ops) in its first three forwards only: the same ops every step,
+    other module calls from the fourth forward on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.forwards = 0
+        self.tap = nn.Identity()
+        self.proj = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.forwards += 1
+        if self.forwards <= 3:
+            x = self.tap(x)
+        return self.proj(x)
+
+
+def changing_calls_net() -> nn.Module:
+    """Input [N, 16]."""
+    return _FirstForwardsOnly()
+
+
 class _SharedLinear(nn.Module):
     def forward(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return torch.tanh(torch.nn.functional.linear(x, weight))

@@ -188,6 +188,17 @@ def test_module_calls_are_timed_in_the_plain_step_that_gives_the_step_time(resne
     assert calls[0].parent is None and calls[0].time_ms <= resnet18_profile.baseline.step_ms
 
 
+def test_a_model_whose_module_calls_change_between_steps_is_refused():
+    """The calls' wall times are matched to the recorded calls by order: a model making other
+    calls in a later step (same ops) is refused in one line rather than priced from the
+    wrong calls."""
+    from monet_cli.errors import ModelError
+
+    spec = small_spec("tests.models_for_tests:changing_calls_net", shape=(16,))
+    with pytest.raises(ModelError, match="different module calls in two steps"):
+        profile_model(spec, torch.device("cpu"), steps=1)
+
+
 def test_a_recompute_costs_the_wall_time_of_the_code_it_re_runs(resnet18_profile):
     """A whole call's recompute costs its forward's wall time; a stretch of a call (an op range,
     a chain, an early stop) its ops' timed sum scaled as the call's; a kept op saves its share."""

@@ -432,10 +432,13 @@ def time_gap_table(gap: dict[str, Any]) -> str:
         "op, where a module qualifies); \"machinery, model\" what `monet profile` measures checkpoint",
         "itself costs on a synthetic chain; \"forward\" the added forward (checkpoint's frames and packing);",
         "\"backward rest\" the added backward time outside the recompute (unpacking, the autograd engine).",
+        "\"Page faults\": minor faults per step (memory the OS maps afresh; on this virtual machine each costs",
+        "microseconds), unmodified / checkpointed: a lower peak can need fewer, which no time model of ops sees.",
         "",
         "| workload | blocks | re-run ops | unmodified step ms | recompute, measured | recompute, model | forward "
-        "| backward rest | machinery, model | added, measured | added, model | measured - model | step spread |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| backward rest | machinery, model | added, measured | added, model | measured - model | step spread "
+        "| page faults |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in gap["rows"]:
         plain, scheduled, step = row["plain"], row["scheduled"], row["plain_step_ms"]
@@ -451,9 +454,13 @@ def time_gap_table(gap: dict[str, Any]) -> str:
             f"| {share(row['predicted_recompute_ops_ms'], model_step)} | {share(scheduled['forward'] - plain['forward'])} "
             f"| {share(rest)} | {share(row['predicted_machinery_ms'], model_step)} | {share(added)} "
             f"| {pct(row['predicted_overhead'])} | {100 * (added / step - row['predicted_overhead']):+.1f} points "
-            f"| {100 * spread(row['plain_step_ms_all']):.1f}% |"
+            f"| {100 * spread(row['plain_step_ms_all']):.1f}% | {faults(plain)} / {faults(scheduled)} |"
         )
     return "\n".join(lines)
+
+
+def faults(phases: dict[str, float]) -> str:
+    return f"{phases['faults']:,.0f}" if "faults" in phases else "-"
 
 
 def scale_table(scale: dict[str, Any]) -> str:

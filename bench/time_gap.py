@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import functools
 import re
+import resource
 import statistics
 import sys
 import time
@@ -73,7 +74,8 @@ class RecomputeClock:
 
 
 def timed_phases(workload: Workload, seed: int, clock: RecomputeClock | None = None) -> dict[str, float]:
-    """One step's forward, backward and optimizer wall times in ms, and the recompute's."""
+    """One step's forward, backward and optimizer wall times in ms, the recompute's, and the
+    minor page faults the process took in the step (memory the OS had to map afresh)."""
     marks: dict[str, float] = {}
 
     def mark(phase: str, _loss: torch.Tensor) -> None:
@@ -85,12 +87,15 @@ def timed_phases(workload: Workload, seed: int, clock: RecomputeClock | None = N
     torch.manual_seed(seed)
     workload.zero_grad()
     workload.sync()
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     start = time.perf_counter()
     workload.step(mark)
     workload.sync()
     end = time.perf_counter()
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
     return {"forward": (marks["backward"] - start) * 1000.0, "backward": (marks["optimizer"] - marks["backward"]) * 1000.0,
-            "optimizer": (end - marks["optimizer"]) * 1000.0, "recompute": clock.total_ms if clock else 0.0}
+            "optimizer": (end - marks["optimizer"]) * 1000.0, "recompute": clock.total_ms if clock else 0.0,
+            "faults": faults}
 
 
 def measure(name: str, repeats: int) -> dict[str, Any]:
@@ -116,7 +121,7 @@ def measure(name: str, repeats: int) -> dict[str, Any]:
         pair = [("plain", plain, None), ("scheduled", scheduled, clock)]
         for key, workload, c in pair if r % 2 == 0 else reversed(pair):
             runs[key].append(timed_phases(workload, r, c))
-    medians = {key: {phase: statistics.median(run[phase] for run in rows) for phase in (*PHASES, "recompute")}
+    medians = {key: {phase: statistics.median(run[phase] for run in rows) for phase in (*PHASES, "recompute", "faults")}
                for key, rows in runs.items()}
     steps = {key: [sum(run[p] for p in PHASES) for run in rows] for key, rows in runs.items()}
     recompute_ops_ms = sum(model.recompute_ms(c) for c in plan)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -391,17 +392,19 @@ class CallTimer:
     A recompute re-runs a call's code, not only its ops: the op timer sees kernels alone, and
     its dispatch mode slows them unevenly. Global module hooks cost a few microseconds a call
     and no dispatch mode runs, so the step runs as a plain one does, and the calls' times and
-    the step's come from the same step."""
+    the step's come from the same step. On CUDA the hooks record events rather than wait for
+    the device, so the step keeps its overlap of launches and kernels."""
 
     def __init__(self, workload: Workload) -> None:
         self.workload = workload
-        self.times_ms: list[float] = []
-        self._open: list[tuple[int, float]] = []
+        self.cuda = workload.device.type == "cuda"
+        self.spans: list[list[Any]] = []
+        self._open: list[int] = []
         self._forward = False
 
     def step(self) -> tuple[float, list[float]]:
         """One step, grads cleared first: (its wall time, the forward's call times), in ms."""
-        self.times_ms, self._forward = [], True
+        self.spans, self._forward = [], True
         handles = [
             torch.nn.modules.module.register_module_forward_pre_hook(self._pre_hook),
             torch.nn.modules.module.register_module_forward_hook(self._post_hook),
@@ -416,22 +419,29 @@ class CallTimer:
         finally:
             for handle in handles:
                 handle.remove()
-        return step_ms, self.times_ms
+        return step_ms, [self._elapsed_ms(begin, end) for begin, end in self.spans]
+
+    def _mark(self) -> Any:
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def _elapsed_ms(self, begin: Any, end: Any) -> float:
+        return begin.elapsed_time(end) if self.cuda else (end - begin) * 1000.0
 
     def _on_phase(self, phase: str, _loss: torch.Tensor) -> None:
         self._forward = False
 
     def _pre_hook(self, module: torch.nn.Module, args: object) -> None:
         if self._forward:
-            self.workload.sync()
-            self._open.append((len(self.times_ms), time.perf_counter()))
-            self.times_ms.append(0.0)
+            self._open.append(len(self.spans))
+            self.spans.append([self._mark(), None])
 
     def _post_hook(self, module: torch.nn.Module, args: object, output: object) -> None:
         if self._forward and self._open:
-            self.workload.sync()
-            index, start = self._open.pop()
-            self.times_ms[index] = (time.perf_counter() - start) * 1000.0
+            self.spans[self._open.pop()][1] = self._mark()
 
 
 @dataclass

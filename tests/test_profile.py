@@ -179,7 +179,8 @@ def test_a_recompute_runs_the_forward_code_around_each_op_again(resnet18_profile
 
 def test_module_calls_are_timed_in_the_plain_step_that_gives_the_step_time(resnet18_profile):
     """Every call's forward has a wall time; a call's time holds its sub-calls' (nested spans
-    of one clock), and the model's forward lies inside the step."""
+    of one clock), and the model's forward lies inside the step (the fixture times one step,
+    so each median is that step's time)."""
     calls = resnet18_profile.calls
     assert all(call.time_ms is not None and call.time_ms > 0 for call in calls)
     for call in calls:

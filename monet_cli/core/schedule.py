@@ -51,7 +51,8 @@ class SegmentDecision:
     first_op: int
     end_op: int
     recompute_ms: float
-    """Profiled time of the ops this segment re-runs in backward."""
+    """Predicted time of the segment's recompute in backward: the ops it re-runs, priced at their
+    share of the wall time of the code that runs them (``SegmentModel.recompute_ms``)."""
     overhead_ms: float = 0.0
     """Measured checkpoint machinery time (per call, plus per op when it keeps ops)."""
     chain: tuple[str, ...] = ()

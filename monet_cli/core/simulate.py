@@ -57,7 +57,7 @@ class SimResult:
     peak_pos: int
     step_ms: float
     recompute_ms: float
-    """Profiled time of the ops the schedule re-runs."""
+    """Predicted time of the schedule's recomputes (``SegmentModel.recompute_ms``)."""
     added_ms: float
     """recompute_ms plus the checkpoint machinery: step_ms - baseline step_ms."""
     timeline: tuple[tuple[int, int], ...] = ()

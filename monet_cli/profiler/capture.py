@@ -410,12 +410,7 @@ class CallTimer:
             torch.nn.modules.module.register_module_forward_hook(self._post_hook),
         ]
         try:
-            self.workload.sync()
-            start = time.perf_counter()
-            self.workload.zero_grad()
-            self.workload.step(on_phase=self._on_phase)
-            self.workload.sync()
-            step_ms = (time.perf_counter() - start) * 1000.0
+            step_ms = self.workload.timed_step(on_phase=self._on_phase)
         finally:
             for handle in handles:
                 handle.remove()

@@ -272,14 +272,16 @@ class Workload:
                 self.scaler.update()
         return float(loss.detach())
 
-    def timed_step(self, seed: int | None = None) -> float:
-        """One plain step including ``zero_grad``; returns its wall time in ms."""
+    def timed_step(self, seed: int | None = None,
+                   on_phase: Callable[[str, torch.Tensor], None] | None = None) -> float:
+        """One plain step including ``zero_grad``; returns its wall time in ms (``on_phase`` as
+        in ``step``)."""
         if seed is not None:
             torch.manual_seed(seed)
         self.sync()
         start = time.perf_counter()
         self.zero_grad()
-        self.step()
+        self.step(on_phase)
         self.sync()
         return (time.perf_counter() - start) * 1000.0
 

@@ -259,3 +259,67 @@ def test_checkpoint_machinery_is_priced_per_saved_tensor(resnet18_profile):
     own = len(model.segments[outer].packs) - len(model.segments[inner].packs)
     assert frame.saves == own + len(resnet18_profile.calls[inner].inputs)
     assert model.overhead_ms(outer, frame=frame) == pytest.approx(0.5 + 0.01 * frame.saves + recorder(outer))
+
+
+def test_checkpoint_s_frame_and_policy_are_priced_in_the_step(resnet18_profile, monkeypatch):
+    """The cheapest calls to checkpoint (none nested in another, no BatchNorm) run checkpointed
+    in the real step against plain steps, paired: what they add beyond their price, per frame,
+    goes to ``segment_ms``. The largest calls run under a selective policy against plain
+    checkpoint: the difference per op, forward and recompute, is ``policy_op_ms``. Both in the
+    profile's time. The step's timings are the benchmarks' business: here the step is a stub
+    that reads which forwards are swapped and adds a known cost for each."""
+    from dataclasses import replace
+
+    from monet_cli.core.segments import SegmentModel
+    from monet_cli.profiler import in_step
+
+    profile = replace(resnet18_profile, baseline=replace(resnet18_profile.baseline, step_ms=10.0))
+    model = SegmentModel(profile)
+    index = {model.calls[c].fqn: c for c in model.segments}
+    workload = build_workload(small_spec(), CPU)
+    modules = dict(workload.model.named_modules())
+    swapped_together: set[frozenset[str]] = set()
+    policies: set[frozenset[str]] = set()
+
+    def swapped() -> dict[str, object]:
+        return {name: m.__dict__["forward"] for name, m in modules.items() if "forward" in m.__dict__}
+
+    def step(*_args, **_kwargs) -> float:
+        ms = 10.0
+        for name, forward in swapped().items():
+            seg = model.segments[index[name]]
+            assert not isinstance(modules[name], torch.nn.BatchNorm2d), name
+            ms += model.added_ms(index[name]) + 0.5
+            if "context_fn" in forward.keywords:
+                ms += 0.03 * 2 * (seg.end_op - seg.first_op)
+                policies.add(frozenset(swapped()))
+        swapped_together.add(frozenset(swapped()))
+        taken = sorted((model.segments[index[n]].first_op, model.segments[index[n]].end_op) for n in swapped())
+        assert all(end <= start for (_, end), (start, _) in zip(taken, taken[1:])), "nested calls checkpointed at once"
+        return 2 * ms  # the machine runs twice as slow as in the profile's steps
+
+    monkeypatch.setattr(workload, "timed_step", step)
+    priced = in_step.price_in_step(workload, profile)
+    assert priced.segment_ms == pytest.approx(profile.overheads.segment_ms + 0.5, abs=1e-5)
+    assert priced.policy_op_ms == pytest.approx(0.03, abs=1e-6)
+    cheapest, largest = swapped_together - {frozenset()} - policies, next(iter(policies))
+    assert [len(s) for s in cheapest] == [in_step.FRAMES] and {"layer1", "layer4", "fc"} <= largest
+    assert not swapped(), "forwards left swapped"
+    slow = replace(profile, baseline=replace(profile.baseline, step_ms=1000.0))
+    assert in_step.price_in_step(workload, slow) == profile.overheads  # too few pairs fit: generic prices
+
+
+def test_the_profile_times_calls_once_the_step_time_settles():
+    """Plain steps run until the last three lie within 25% of each other (a fresh process, or
+    one whose memory other steps churned, runs slow at first), at most 20."""
+    from monet_cli.profiler.run import settle
+
+    class Steps:
+        def __init__(self, times):
+            self.times = iter(times)
+
+        def timed_step(self):
+            return next(self.times)
+
+    assert settle(Steps([300.0, 180.0, 95.0, 90.0, 150.0, 92.0, 88.0, 91.0, 500.0])) == 8
+    assert settle(Steps([100.0, 200.0] * 20)) == 20

@@ -128,14 +128,15 @@ class Overheads:
 
     segment_ms: float = 0.0
     """One checkpointed call, forward and backward, beyond re-running its ops and beyond
-    ``saved_tensor_ms`` per saved tensor."""
+    ``saved_tensor_ms`` per saved tensor. Timed in the model's own step where steps are short
+    enough to pair (``profiler/in_step.py``), else on a chain of tanh ops."""
     saved_tensor_ms: float = 0.0
     """Each tensor autograd saves inside a segment: the frame's pack hook in the forward and
     again in the recompute, and its unpack. Profiles made before it was measured say 0 (their
     ``segment_ms`` then covers a segment of 20 saved tensors)."""
     policy_op_ms: float = 0.0
     """Each op inside a segment with a selective keep policy (its dispatch modes run in forward and
-    recompute)."""
+    recompute). Timed in the model's own step where ``segment_ms`` is, else on tanh ops."""
     python_op_ms: float = 0.0
     """What each op a recompute re-runs costs beyond what the profile prices it at (its share of
     the wall time of the code it runs, ``ModuleCall.time_ms``): a recompute runs during

@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime as _dt
 import os
 import platform
+import time
 from collections.abc import Callable
 from dataclasses import replace
 
@@ -31,6 +32,7 @@ from monet_cli.core.profile import (
 from monet_cli.core.variants import find_sites
 from monet_cli.errors import ModelError
 from monet_cli.profiler.capture import CallTimer, LifetimeRecorder, OpTimer, StepRecorder, Timings
+from monet_cli.profiler.in_step import price_in_step
 from monet_cli.profiler.overheads import measure_overheads
 from monet_cli.profiler.probe import probe_overheads
 from monet_cli.profiler.rehearse import Rehearsal
@@ -42,6 +44,11 @@ from monet_cli.workload.step import Workload, build_workload, configure_cuda, ru
 
 Progress = Callable[[str], None]
 
+SETTLE_WINDOW = 3
+SETTLE_SPREAD = 1.25
+SETTLE_MAX_STEPS = 20
+SETTLE_BUDGET_S = 15.0
+
 
 def _no_progress(label: str) -> None:
     pass
@@ -49,14 +56,16 @@ def _no_progress(label: str) -> None:
 
 def profile_steps(steps: int) -> int:
     """How many progress ticks ``profile_model`` reports."""
-    return 7 + 2 * steps
+    return 9 + 2 * steps
 
 
 def profile_model(
     spec: ModelSpec, device: torch.device, *, steps: int = 3, progress: Progress = _no_progress
 ) -> Profile:
     """Warm up, measure the peak, record one step, replay lifetimes, time ``steps`` steps, then
-    rehearse the recompute of every candidate segment (last: a re-run may change model state)."""
+    rehearse the recompute of every candidate segment, price checkpointing in the step and on
+    the model's own code, and time operator variants (after the plain timed steps: a re-run
+    may change model state)."""
     warn_if_untested_torch()
     configure_cuda(device)
     workload = run_checked(lambda: build_workload(spec, device), "building the workload")
@@ -79,6 +88,9 @@ def profile_model(
     for i in range(steps):
         progress(f"timing ops (step {i + 1}/{steps})")
         timings.op_ms.append(run_checked(lambda: _timed_ops(workload, recorder), "timed step"))
+    progress("waiting for the step time to settle")
+    run_checked(lambda: settle(workload), "warm-up step")
+    for i in range(steps):
         progress(f"timing steps (step {i + 1}/{steps})")
         step_ms, call_ms = run_checked(lambda: _timed_calls(workload, recorder), "timed step")
         timings.step_ms.append(step_ms)
@@ -91,11 +103,32 @@ def profile_model(
         reasons[call.index] = reasons[call.index] or differs.get(call.fqn, "")
     profile = replace(build_profile(workload, recorder, lifetimes, timings, measurement.peak_bytes, measurement.meter,
                                     reasons), overheads=overheads)
+    progress("pricing checkpoint's frame and policy in the step")
+    profile = replace(profile, overheads=run_checked(lambda: price_in_step(workload, profile), "pricing step"))
     progress("pricing recomputes and op ranges on the model's own code")
     profile = replace(profile, overheads=run_checked(lambda: probe_overheads(workload, profile), "timing a module alone"))
     progress("measuring operator variants")
     variants = run_checked(lambda: measure_variants(workload, find_sites(profile)), "measuring operator variants")
     return replace(profile, transfer=transfer, variants=variants)
+
+
+def settle(workload: Workload) -> int:
+    """Run plain steps until the last ``SETTLE_WINDOW`` are within ``SETTLE_SPREAD`` of each
+    other (at most ``SETTLE_MAX_STEPS``, or ``SETTLE_BUDGET_S``); returns how many ran.
+
+    The step times a profile prices recomputes with must be the steady state's. After the
+    recording and op-timed steps, whose dispatch modes make and free other tensors, a 2-core
+    CPU VM ran the next plain steps 1.5-3x slower than later ones (glibc had handed the freed
+    memory back, and each page faulted in again): 131-178 ms against 80-90 for tiny_gpt and
+    the unet."""
+    times: list[float] = []
+    start = time.perf_counter()
+    while len(times) < SETTLE_MAX_STEPS and time.perf_counter() - start < SETTLE_BUDGET_S:
+        times.append(workload.timed_step())
+        last = times[-SETTLE_WINDOW:]
+        if len(last) == SETTLE_WINDOW and max(last) <= SETTLE_SPREAD * min(last):
+            break
+    return len(times)
 
 
 def _timed_ops(workload: Workload, recorder: StepRecorder) -> list[float]:

@@ -1,0 +1,147 @@
+"""Price checkpoint's frame and its selective policy inside the model's own training step.
+
+``overheads.py`` prices both on a chain of tanh ops over eight numbers, alone. Inside a real
+step they cost more. On tiny_gpt (batch 16, this 2-core CPU) a frame cost about 0.6 ms beyond
+its 0.1 ms price, whatever it held (its recompute's Python and early stop, checkpoint's RNG
+stash, the memory it makes and frees among the step's own); and the selective policy's
+dispatch modes cost about 35 us an op on the unet's convolutions where tanh said 7. The probe
+(``probe.py``) spread the frame's cost over the re-run ops of the one block it times, so whole
+blocks were priced right and small segments (a LayerNorm and a Linear, an MLP) too cheap: the
+solver chose many small segments and the step ran 8 to 12 points slower than predicted.
+
+So the step itself is timed with module calls under ``torch.utils.checkpoint``, paired, in
+alternating order:
+- the cheapest calls to checkpoint (``FRAMES`` at most, none nested in another) against the
+  plain step: their added time beyond what the profile prices them at, spread over the
+  frames, is added to ``segment_ms``;
+- the largest calls (none nested in another) under a selective policy that keeps nothing,
+  against plain checkpoint: the difference, per op run under the policy in the forward and
+  in the recompute, is ``policy_op_ms``.
+Times are taken in the profile's time: the plain steps here against the profile's step time.
+BatchNorm calls are left out (a recompute would update their statistics again). Where a step
+is too slow to pair ``MIN_PAIRS`` times in ``BUDGET_S``, the generic prices stay: a frame and
+a policy are then a small share of the step.
+"""
+
+from __future__ import annotations
+
+import functools
+import statistics
+from collections.abc import Callable, Iterable
+from dataclasses import replace
+from typing import Any
+
+from torch import nn
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+from monet_cli.core.profile import Overheads, Profile
+from monet_cli.core.segments import SegmentModel
+from monet_cli.workload.step import Workload
+
+FRAMES = 16
+"""Cheap calls checkpointed at once: their sum stands out of a step's noise."""
+BUDGET_S = 8.0
+"""Per measurement: frame, then policy."""
+MIN_PAIRS, MAX_PAIRS = 9, 31
+WARM_UP_PAIRS = 2
+
+
+def price_in_step(workload: Workload, profile: Profile) -> Overheads:
+    """``profile.overheads`` with ``segment_ms`` and ``policy_op_ms`` timed in the step, where it fits the budget."""
+    pairs = min(MAX_PAIRS, int(BUDGET_S * 1000.0 / (2.0 * profile.baseline.step_ms)))
+    model = SegmentModel(profile)
+    cheapest, largest = _calls(model, cheapest=True), _calls(model, cheapest=False)
+    if pairs < MIN_PAIRS or not cheapest:
+        return profile.overheads
+    modules = dict(workload.model.named_modules())
+    plain_ms, frames_ms = _paired(workload, [_Toggle(modules[model.calls[c].fqn]) for c in cheapest], pairs)
+    now = plain_ms / profile.baseline.step_ms  # this machine's speed now over the profile's steps'
+    unpriced_ms = frames_ms / now - sum(model.added_ms(c) for c in cheapest)
+    _, policy_ms = _paired(workload, [_Toggle(modules[model.calls[c].fqn], policy=True) for c in largest], pairs)
+    ops = sum(model.segments[c].end_op - model.segments[c].first_op for c in largest)
+    return replace(
+        profile.overheads,
+        segment_ms=round(max(0.0, profile.overheads.segment_ms + unpriced_ms / len(cheapest)), 6),
+        policy_op_ms=round(max(0.0, policy_ms / now / (2 * ops)), 6),
+    )
+
+
+def _calls(model: SegmentModel, *, cheapest: bool) -> list[int]:
+    """Module-call segments that are recomputed, none nested in another, none a BatchNorm:
+    up to ``FRAMES`` of the cheapest to checkpoint, or the largest (most ops) first."""
+    candidates = [c for c, seg in model.segments.items()
+                  if not seg.members and c not in model.ranges and seg.burst_pos is not None
+                  and "BatchNorm" not in model.calls[c].type]
+    if cheapest:
+        candidates.sort(key=lambda c: (model.added_ms(c), c))
+    else:
+        candidates.sort(key=lambda c: (model.segments[c].first_op - model.segments[c].end_op, c))
+    chosen = _apart(model, candidates)
+    return chosen[:FRAMES] if cheapest else chosen
+
+
+def _apart(model: SegmentModel, candidates: Iterable[int]) -> list[int]:
+    """The candidates, in order, that share no op with one taken before."""
+    chosen: list[int] = []
+    for c in candidates:
+        seg = model.segments[c]
+        if all(seg.end_op <= model.segments[d].first_op or model.segments[d].end_op <= seg.first_op for d in chosen):
+            chosen.append(c)
+    return chosen
+
+
+def _recompute_all(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+class _Toggle:
+    """A module's forward, switched between two versions: plain and under checkpoint, or
+    (``policy``) under checkpoint and under checkpoint with a selective policy."""
+
+    def __init__(self, module: nn.Module, *, policy: bool = False) -> None:
+        self.module = module
+        self.own = module.__dict__.get("forward")
+        """A forward set on the instance before (None: the class's)."""
+        plain: Callable[..., Any] = module.forward
+        checkpointed = _checkpointed(plain)
+        self.versions = (checkpointed, _checkpointed(plain, selective=True)) if policy else (None, checkpointed)
+        """The two versions; None: the plain forward."""
+
+    def set(self, second: bool) -> None:
+        version = self.versions[second]
+        if version is None:
+            self.restore()
+        else:
+            self.module.forward = version
+
+    def restore(self) -> None:
+        if self.own is not None:
+            self.module.forward = self.own
+        else:
+            self.module.__dict__.pop("forward", None)
+
+
+def _checkpointed(forward: Callable[..., Any], *, selective: bool = False) -> Callable[..., Any]:
+    options: dict[str, Any] = {"use_reentrant": False, "preserve_rng_state": True}
+    if selective:
+        options["context_fn"] = lambda: create_selective_checkpoint_contexts(_recompute_all)
+    return functools.wraps(forward)(functools.partial(checkpoint, forward, **options))
+
+
+def _paired(workload: Workload, toggles: list[_Toggle], pairs: int) -> tuple[float, float]:
+    """Median step with the first versions, and median paired difference (second minus first), in ms."""
+    first, added = [], []
+    try:
+        for k in range(WARM_UP_PAIRS + pairs):
+            times = {}
+            for second in ((False, True) if k % 2 else (True, False)):
+                for toggle in toggles:
+                    toggle.set(second)
+                times[second] = workload.timed_step()
+            if k >= WARM_UP_PAIRS:
+                first.append(times[False])
+                added.append(times[True] - times[False])
+    finally:
+        for toggle in toggles:
+            toggle.restore()
+    return statistics.median(first), statistics.median(added)

@@ -17,6 +17,7 @@ docs/benchmarks.md and plots.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import platform
@@ -109,6 +110,7 @@ def _solve_point(planner: Planner, spec: str, budget: int, time_limit: float, wo
         "solve_time_s": outcome.time_s,
         "status": outcome.status, "gap": outcome.gap, "segments": len(schedule.segments),
         "kept_ops": len(schedule.keeps),
+        "plan": [[s.module, len(schedule.kept_in(s.module))] for s in schedule.segments],
     }
 
 
@@ -242,7 +244,7 @@ def run_workload(w: Workload, device: torch.device, *, repeats: int, fractions: 
                {f: str(getattr(env_info(), f)) for f in ("monet", "torch", "torchvision", "ortools", "python")},
         "profile": {"baseline_peak_bytes": profile.baseline.peak_bytes, "step_ms": profile.baseline.step_ms,
                     "forward_ops": len(profile.ops), "segments": sum(c.checkpointable for c in profile.calls),
-                    "fixed_bytes": fixed},
+                    "fixed_bytes": fixed, "overheads": dataclasses.asdict(profile.overheads)},
         "repeats": repeats,
         "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "points": points,

@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench import methods as M  # noqa: E402
-from monet_cli.core.plan import plan_of, solve_schedule, variants_of  # noqa: E402
+from monet_cli.core.plan import plan_of, predicted, solve_schedule, variants_of  # noqa: E402
 from monet_cli.core.profile import InputSpec, Profile  # noqa: E402
 from monet_cli.core.segments import SegmentModel  # noqa: E402
 from monet_cli.core.simulate import simulate  # noqa: E402
@@ -123,15 +123,17 @@ def simulated(model: SegmentModel, checkpointed: list[str]) -> dict[str, Any]:
     if len(plan) != len(checkpointed):
         raise ValueError(f"{len(checkpointed) - len(plan)} of the checkpointed blocks are not segments of the profile")
     result = simulate(profile, plan, model=model)
-    return {"predicted_peak_bytes": result.peak_bytes, "predicted_overhead": result.added_ms / profile.baseline.step_ms,
-            "predicted_overhead_op_sums": op_sum_overhead(model, plan)}
+    # These methods run the model as written: no preparation to pay, the same step to compare with.
+    reference = profile.baseline.reference_step_ms
+    return {"predicted_peak_bytes": result.peak_bytes, "predicted_overhead": result.added_ms / reference,
+            "predicted_overhead_op_sums": simulate(_unwalled(model).profile, plan, model=_unwalled(model)).added_ms / reference}
 
 
 def op_sum_overhead(model: SegmentModel, plan: dict, variants: frozenset[int] = frozenset()) -> float:
-    """The overhead the time model before the calls' wall times predicts for the same plan (a
+    """The overhead the time model before the calls' wall times predicts for the same schedule (a
     recompute priced at its ops' timed sum): both models against one measurement."""
     unwalled = _unwalled(model)
-    return simulate(unwalled.profile, plan, model=unwalled, variants=variants).added_ms / model.profile.baseline.step_ms
+    return predicted(unwalled.profile, simulate(unwalled.profile, plan, model=unwalled, variants=variants)).overhead
 
 
 @functools.cache

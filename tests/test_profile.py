@@ -323,3 +323,49 @@ def test_the_profile_times_calls_once_the_step_time_settles():
 
     assert settle(Steps([300.0, 180.0, 95.0, 90.0, 150.0, 92.0, 88.0, 91.0, 500.0])) == 8
     assert settle(Steps([100.0, 200.0] * 20)) == 20
+
+
+def test_a_schedule_s_overhead_is_taken_against_the_model_as_written(resnet18_profile, monkeypatch, tmp_path):
+    """Every schedule runs in-place activations out of place (selective checkpointing cannot keep
+    what an in-place op wrote); the user's model runs them in place. The profile times the step
+    with the switched modules back in place, paired with the prepared one, in the profile's
+    time; a schedule's overhead is taken against that step, and its step time holds the
+    difference. Where nothing was switched, or the step is too slow to pair, only the
+    prepared step is there to take it against. (The step is a stub: timings are the
+    benchmarks' business.)"""
+    from dataclasses import replace
+
+    from monet_cli.core.plan import build_schedule
+    from monet_cli.core.schedule import SolverInfo, consistency_problem, load_schedule, save_schedule
+    from monet_cli.core.segments import SegmentModel
+    from monet_cli.profiler.in_step import as_written_step_ms
+
+    workload = build_workload(small_spec(), CPU)
+    switched = workload.out_of_place
+    assert switched and not any(module.inplace for module in switched)
+
+    def step(*_args, **_kwargs) -> float:
+        in_place = {module.inplace for module in switched}
+        assert len(in_place) == 1, "switched one by one"
+        return 10.0 if in_place.pop() else 11.0  # out of place: 1 ms more, on a machine twice as slow
+
+    monkeypatch.setattr(workload, "timed_step", step)
+    assert as_written_step_ms(workload, 22.0) == pytest.approx(20.0)
+    assert not any(module.inplace for module in switched)
+    assert as_written_step_ms(replace(workload, out_of_place=()), 22.0) is None
+    assert as_written_step_ms(workload, 5000.0) is None
+
+    baseline = replace(resnet18_profile.baseline, step_ms=22.0, as_written_step_ms=20.0)
+    profile = replace(resnet18_profile, baseline=baseline)
+    model = SegmentModel(profile)
+    call = next(c for c, seg in model.segments.items() if seg.burst_pos is not None)
+    info = SolverInfo(method="hand", status="n/a", objective=None, bound=None, gap=None, time_s=0.0, workers=1,
+                      seed=0, time_limit_s=0.0, ortools="")
+    schedule = build_schedule(profile, {call: frozenset()}, budget_bytes=baseline.peak_bytes, budget_spec="100%",
+                              solver=info, profile_sha256="", model=model)
+    pred = schedule.predicted
+    assert pred.baseline_step_ms == 20.0 and pred.preparation_ms == pytest.approx(2.0)
+    assert pred.overhead == pytest.approx((22.0 + model.added_ms(call)) / 20.0 - 1.0, abs=1e-5)
+    save_schedule(schedule, tmp_path / "s.yaml")
+    assert consistency_problem(load_schedule(tmp_path / "s.yaml")) is None
+    assert resnet18_profile.baseline.as_written_step_ms > 0  # the profile measures it (resnet18's ReLUs run in place)

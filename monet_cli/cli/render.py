@@ -48,6 +48,7 @@ def profile_summary(profile: Profile, path: str) -> dict[str, Any]:
         "ranges": ranges,
         "baseline_peak_bytes": profile.baseline.peak_bytes,
         "step_ms": profile.baseline.step_ms,
+        "as_written_step_ms": profile.baseline.as_written_step_ms,
         "param_bytes": mem.param_bytes,
         "grad_bytes": mem.grad_bytes,
         "optimizer_state_bytes": mem.optimizer_state_bytes,
@@ -91,7 +92,7 @@ def profile_table(profile: Profile, path: str) -> Table:
         ("segments", f"{calls} checkpointable module calls, {chains} chains of sibling calls, {ranges} op ranges"),
         ("baseline peak", format_bytes(profile.baseline.peak_bytes) + f"  ({profile.baseline.meter})"),
         ("simulated peak", _simulated_baseline(profile)),
-        ("step time", f"{profile.baseline.step_ms:.1f} ms (median of {profile.baseline.steps})"),
+        ("step time", _step_time(profile)),
         ("op times", f"{profile.op_ms_sum:.1f} ms summed, {_ratio(profile.op_ms_sum, profile.baseline.step_ms)} of the step"),
         ("parameters", format_bytes(mem.param_bytes)),
         ("gradients", format_bytes(mem.grad_bytes)),
@@ -112,6 +113,19 @@ def _simulated_baseline(profile: Profile) -> str:
     return f"{format_bytes(simulated)}  ({100 * gap:+.2f}% of measured)"
 
 
+def _step_time(profile: Profile) -> str:
+    base = profile.baseline
+    line = f"{base.step_ms:.1f} ms (median of {base.steps})"
+    if base.as_written_step_ms is not None:
+        line += f"; {base.as_written_step_ms:.1f} ms with the activations in place, as the model is written"
+    return line
+
+
+def _preparation(ms: float) -> str:
+    """What running in-place activations out of place adds to every schedule's step."""
+    return f" as written, {ms:+.1f} ms with activations out of place" if ms else ""
+
+
 def _ratio(part: float, whole: float) -> str:
     return f"{100 * part / whole:.0f}%" if whole > 0 else "-"
 
@@ -129,7 +143,8 @@ def schedule_table(schedule: Schedule, path: str) -> Table:
     rows = [
         ("budget", f"{format_bytes(schedule.budget_bytes)}  ({schedule.budget_spec})"),
         ("predicted peak", f"{format_bytes(pred.peak_bytes)}  (baseline {format_bytes(pred.baseline_peak_bytes)})"),
-        ("predicted step", f"{pred.step_ms:.1f} ms  (baseline {pred.baseline_step_ms:.1f} ms, overhead {100 * pred.overhead:+.1f}%)"),
+        ("predicted step", f"{pred.step_ms:.1f} ms  (baseline {pred.baseline_step_ms:.1f} ms{_preparation(pred.preparation_ms)}, "
+                           f"overhead {100 * pred.overhead:+.1f}%)"),
         ("segments", f"{len(schedule.segments)} checkpointed ({len(schedule.chains)} "
                      f"chains of sibling calls, {len(schedule.ranges)} op ranges), {kept} op outputs kept"),
         ("variants", _variants_line(schedule)),

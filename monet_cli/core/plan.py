@@ -91,12 +91,14 @@ def variants_of(schedule: Schedule, profile: Profile) -> Variants:
 
 def predicted(profile: Profile, result: SimResult) -> Predicted:
     base = profile.baseline
+    reference = base.reference_step_ms
     return Predicted(
         peak_bytes=result.peak_bytes,
         step_ms=round(result.step_ms, 4),
-        overhead=round(result.step_ms / base.step_ms - 1.0, 6) if base.step_ms > 0 else 0.0,
+        overhead=round(result.step_ms / reference - 1.0, 6) if reference > 0 else 0.0,
         baseline_peak_bytes=base.peak_bytes,
-        baseline_step_ms=base.step_ms,
+        baseline_step_ms=reference,
+        preparation_ms=round(base.step_ms - reference, 4),
         peak_pos=result.peak_pos,
     )
 

@@ -109,6 +109,16 @@ class Baseline:
     """Position of the op during which the recorded peak happened."""
     meter: str
     """How peak_bytes was measured: ``live-storages`` or ``cuda-allocator``."""
+    as_written_step_ms: float | None = None
+    """The step of the model as its factory built it, where monet's preparation changes its
+    time (in-place activations switched out of place, as every schedule runs them): what a
+    schedule's overhead is taken against. Measured paired with ``step_ms``'s steps and put in
+    their time; None where nothing is switched or the step is too slow to pair."""
+
+    @property
+    def reference_step_ms(self) -> float:
+        """The step a schedule's overhead is taken against: the model as written where measured."""
+        return self.as_written_step_ms if self.as_written_step_ms is not None else self.step_ms
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

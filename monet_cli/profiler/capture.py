@@ -444,6 +444,7 @@ class Timings:
     step_ms: list[float] = field(default_factory=list)
     op_ms: list[list[float]] = field(default_factory=list)
     call_ms: list[list[float]] = field(default_factory=list)
+    as_written_step_ms: float | None = None
 
     def median_step_ms(self) -> float:
         return statistics.median(self.step_ms)

@@ -41,29 +41,58 @@ from monet_cli.workload.step import Workload
 FRAMES = 16
 """Cheap calls checkpointed at once: their sum stands out of a step's noise."""
 BUDGET_S = 8.0
-"""Per measurement: frame, then policy."""
+"""Per measurement (frame, policy, the model as written)."""
 MIN_PAIRS, MAX_PAIRS = 9, 31
 WARM_UP_PAIRS = 2
 
 
 def price_in_step(workload: Workload, profile: Profile) -> Overheads:
     """``profile.overheads`` with ``segment_ms`` and ``policy_op_ms`` timed in the step, where it fits the budget."""
-    pairs = min(MAX_PAIRS, int(BUDGET_S * 1000.0 / (2.0 * profile.baseline.step_ms)))
+    pairs = _pairs(profile.baseline.step_ms)
     model = SegmentModel(profile)
     cheapest, largest = _calls(model, cheapest=True), _calls(model, cheapest=False)
     if pairs < MIN_PAIRS or not cheapest:
         return profile.overheads
     modules = dict(workload.model.named_modules())
-    plain_ms, frames_ms = _paired(workload, [_Toggle(modules[model.calls[c].fqn]) for c in cheapest], pairs)
+    plain_ms, frames_ms = _paired(workload, _toggles([_Toggle(modules[model.calls[c].fqn]) for c in cheapest]), pairs)
     now = plain_ms / profile.baseline.step_ms  # this machine's speed now over the profile's steps'
     unpriced_ms = frames_ms / now - sum(model.added_ms(c) for c in cheapest)
-    _, policy_ms = _paired(workload, [_Toggle(modules[model.calls[c].fqn], policy=True) for c in largest], pairs)
+    policies = [_Toggle(modules[model.calls[c].fqn], policy=True) for c in largest]
+    try:
+        _, policy_ms = _paired(workload, _toggles(policies), pairs)
+    finally:  # the first version is plain checkpoint
+        for toggle in policies:
+            toggle.restore()
     ops = sum(model.segments[c].end_op - model.segments[c].first_op for c in largest)
     return replace(
         profile.overheads,
         segment_ms=round(max(0.0, profile.overheads.segment_ms + unpriced_ms / len(cheapest)), 6),
         policy_op_ms=round(max(0.0, policy_ms / now / (2 * ops)), 6),
     )
+
+
+def as_written_step_ms(workload: Workload, step_ms: float) -> float | None:
+    """The step with the activations ``build_workload`` switched out of place back in place,
+    paired with the prepared step, in the time of ``step_ms`` (the prepared step's): None
+    where nothing was switched or fewer than ``MIN_PAIRS`` pairs fit in ``BUDGET_S``.
+
+    Every schedule runs them out of place (selective checkpointing cannot keep a tensor an
+    in-place op wrote), which the user's model does not: on the unet (batch 16, this CPU) that
+    alone cost 7.5% of the step, which monet's predicted overhead had left out."""
+    pairs = _pairs(step_ms)
+    if not workload.out_of_place or pairs < MIN_PAIRS:
+        return None
+
+    def switch(as_written: bool) -> None:
+        for module in workload.out_of_place:
+            module.inplace = as_written
+
+    prepared_ms, as_written_minus_prepared_ms = _paired(workload, switch, pairs)
+    return round(step_ms + as_written_minus_prepared_ms / (prepared_ms / step_ms), 4)
+
+
+def _pairs(step_ms: float) -> int:
+    return min(MAX_PAIRS, int(BUDGET_S * 1000.0 / (2.0 * step_ms)))
 
 
 def _calls(model: SegmentModel, *, cheapest: bool) -> list[int]:
@@ -128,20 +157,27 @@ def _checkpointed(forward: Callable[..., Any], *, selective: bool = False) -> Ca
     return functools.wraps(forward)(functools.partial(checkpoint, forward, **options))
 
 
-def _paired(workload: Workload, toggles: list[_Toggle], pairs: int) -> tuple[float, float]:
-    """Median step with the first versions, and median paired difference (second minus first), in ms."""
+def _toggles(toggles: list[_Toggle]) -> Callable[[bool], None]:
+    def switch(second: bool) -> None:
+        for toggle in toggles:
+            toggle.set(second)
+
+    return switch
+
+
+def _paired(workload: Workload, switch: Callable[[bool], None], pairs: int) -> tuple[float, float]:
+    """Median step with ``switch(False)``, and median paired difference (``switch(True)`` minus
+    it), in ms; ``switch(False)`` again at the end."""
     first, added = [], []
     try:
         for k in range(WARM_UP_PAIRS + pairs):
             times = {}
             for second in ((False, True) if k % 2 else (True, False)):
-                for toggle in toggles:
-                    toggle.set(second)
+                switch(second)
                 times[second] = workload.timed_step()
             if k >= WARM_UP_PAIRS:
                 first.append(times[False])
                 added.append(times[True] - times[False])
     finally:
-        for toggle in toggles:
-            toggle.restore()
+        switch(False)
     return statistics.median(first), statistics.median(added)

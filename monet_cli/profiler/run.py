@@ -32,7 +32,7 @@ from monet_cli.core.profile import (
 from monet_cli.core.variants import find_sites
 from monet_cli.errors import ModelError
 from monet_cli.profiler.capture import CallTimer, LifetimeRecorder, OpTimer, StepRecorder, Timings
-from monet_cli.profiler.in_step import price_in_step
+from monet_cli.profiler.in_step import as_written_step_ms, price_in_step
 from monet_cli.profiler.overheads import measure_overheads
 from monet_cli.profiler.probe import probe_overheads
 from monet_cli.profiler.rehearse import Rehearsal
@@ -56,7 +56,7 @@ def _no_progress(label: str) -> None:
 
 def profile_steps(steps: int) -> int:
     """How many progress ticks ``profile_model`` reports."""
-    return 9 + 2 * steps
+    return 10 + 2 * steps
 
 
 def profile_model(
@@ -95,6 +95,8 @@ def profile_model(
         step_ms, call_ms = run_checked(lambda: _timed_calls(workload, recorder), "timed step")
         timings.step_ms.append(step_ms)
         timings.call_ms.append(call_ms)
+    progress("timing the model as written")
+    timings.as_written_step_ms = run_checked(lambda: as_written_step_ms(workload, timings.median_step_ms()), "timed step")
     reasons = structural_reasons(recorder)
     progress("rehearsing recomputes")
     candidates = [call.fqn for call in recorder.calls if not reasons[call.index]]
@@ -189,6 +191,7 @@ def build_profile(
             steps=len(timings.step_ms),
             peak_pos=recorder.peak_pos,
             meter=meter,
+            as_written_step_ms=timings.as_written_step_ms,
         ),
         memory=_memory_summary(storages, ops),
         created_at=_dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat(),

@@ -58,18 +58,17 @@ def parse_dtype(name: str) -> torch.dtype:
     return _DTYPES[name]
 
 
-def make_out_of_place(model: nn.Module) -> int:
-    """Switch in-place activation modules to out-of-place; returns how many changed.
+def make_out_of_place(model: nn.Module) -> tuple[nn.Module, ...]:
+    """Switch in-place activation modules to out-of-place; returns those it changed.
 
     Autograd keeps a ReLU's output; when the ReLU runs in place that output is the
     BatchNorm's output mutated, which selective checkpointing refuses to keep. The
     out-of-place version costs no memory when the next op saves the output anyway.
     """
-    changed = 0
-    for module in model.modules():
-        if isinstance(module, _ACTIVATIONS_WITH_INPLACE) and getattr(module, "inplace", False):
-            module.inplace = False
-            changed += 1
+    changed = tuple(module for module in model.modules()
+                    if isinstance(module, _ACTIVATIONS_WITH_INPLACE) and getattr(module, "inplace", False))
+    for module in changed:
+        module.inplace = False
     return changed
 
 
@@ -213,6 +212,8 @@ class Workload:
     module_names: dict[int, str] = field(default_factory=dict)
     scaler: torch.amp.GradScaler | None = None
     """fp16-mixed: scales the loss so small float16 gradients do not underflow."""
+    out_of_place: tuple[nn.Module, ...] = ()
+    """Activation modules the factory built in place and ``build_workload`` switched out of place."""
 
     def call_args(self) -> tuple[tuple[torch.Tensor, ...], dict[str, torch.Tensor]]:
         """The model's positional and keyword inputs (``input_ids=...``, ``labels=...``)."""
@@ -335,10 +336,11 @@ def build_workload(spec: ModelSpec, device: torch.device, *, prepare: bool = Tru
     applies (no KV cache, activations out of place); ``prepare=False`` leaves the model
     exactly as its factory built it (the unmodified baseline ``apply`` compares with)."""
     model = build_model(spec)
+    out_of_place: tuple[nn.Module, ...] = ()
     if prepare:
         turn_off_kv_cache(model)
         if spec.out_of_place_activations:
-            make_out_of_place(model)
+            out_of_place = make_out_of_place(model)
     model.to(device).train()
     inputs = make_inputs(spec.inputs, spec.batch_size, device, spec.seed)
     optimizer = make_optimizer(model, spec)
@@ -352,6 +354,7 @@ def build_workload(spec: ModelSpec, device: torch.device, *, prepare: bool = Tru
         device=device,
         module_names={id(m): name for name, m in model.named_modules()},
         scaler=torch.amp.GradScaler(device.type) if fp16 else None,
+        out_of_place=out_of_place,
     )
 
 

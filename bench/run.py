@@ -245,6 +245,7 @@ def run_workload(w: Workload, device: torch.device, *, repeats: int, fractions: 
         "env": {k: str(v) for k, v in vars(env_info()).items()} if hasattr(env_info(), "__dict__") else
                {f: str(getattr(env_info(), f)) for f in ("monet", "torch", "torchvision", "ortools", "python")},
         "profile": {"baseline_peak_bytes": profile.baseline.peak_bytes, "step_ms": profile.baseline.step_ms,
+                    "as_written_step_ms": profile.baseline.as_written_step_ms,
                     "forward_ops": len(profile.ops), "segments": sum(c.checkpointable for c in profile.calls),
                     "fixed_bytes": fixed, "overheads": dataclasses.asdict(profile.overheads)},
         "repeats": repeats,

@@ -190,8 +190,10 @@ def analysis(result: dict[str, Any]) -> list[str]:
                          f"(mean {sum(before) / len(before):+.1f}, mean absolute {mean_abs(before):.1f})")
     if timed:
         lines.append("- the prediction counts the wall time of the forward code a recompute re-runs (each module call "
-                     "timed in plain steps) and the checkpoint machinery measured by `monet profile`; where the rest "
-                     "goes: \"Where a checkpointed step's added time goes\" below")
+                     "timed in plain steps), the checkpoint machinery priced by `monet profile` (a frame and the "
+                     "selective policy timed in the model's own step where steps are short) and, at monet's points, "
+                     "running in-place activations out of place (the overhead is taken against the model as written); "
+                     "where the rest goes: \"Where a checkpointed step's added time goes\" below")
     noise = spread(base.get("step_ms_all") or [])
     if noise is not None:
         lines.append(f"- timing noise: the unmodified step's own repeats spread over {100 * noise:.1f}% of its median")
@@ -429,8 +431,9 @@ def time_gap_table(gap: dict[str, Any]) -> str:
         "Medians, in % of the unmodified step: measured parts of the step measured beside it, the model's parts of",
         "the step of its own profile (this machine's speed drifts between the two). \"Recompute, model\" is the",
         "wall time of the re-run blocks' forwards in the profile's plain steps (and the probe's extra cost per re-run",
-        "op, where a module qualifies); \"machinery, model\" what `monet profile` measures checkpoint",
-        "itself costs on a synthetic chain; \"forward\" the added forward (checkpoint's frames and packing);",
+        "op, where a module qualifies); \"machinery, model\" what `monet profile` prices checkpoint itself",
+        "at (a frame timed in the model's own step where steps are short, its saved tensors on a synthetic chain);",
+        "\"forward\" the added forward (checkpoint's frames and packing);",
         "\"backward rest\" the added backward time outside the recompute (unpacking, the autograd engine).",
         "\"Page faults\": minor faults per step (memory the OS maps afresh; on this virtual machine each costs",
         "microseconds), unmodified / checkpointed: a lower peak can need fewer, which no time model of ops sees.",

@@ -1,10 +1,12 @@
-"""Price checkpoint's frame and its selective policy inside the model's own training step.
+"""Price checkpoint's frame and its selective policy inside the model's own training step, and
+time the step of the model as written.
 
 ``overheads.py`` prices both on a chain of tanh ops over eight numbers, alone. Inside a real
 step they cost more. On tiny_gpt (batch 16, this 2-core CPU) a frame cost about 0.6 ms beyond
 its 0.1 ms price, whatever it held (its recompute's Python and early stop, checkpoint's RNG
 stash, the memory it makes and frees among the step's own); and the selective policy's
-dispatch modes cost about 35 us an op on the unet's convolutions where tanh said 7. The probe
+dispatch modes cost 30 to 40 us an op there and 65 to 135 on the unet, where tanh said 7 to
+16. The probe
 (``probe.py``) spread the frame's cost over the re-run ops of the one block it times, so whole
 blocks were priced right and small segments (a LayerNorm and a Linear, an MLP) too cheap: the
 solver chose many small segments and the step ran 8 to 12 points slower than predicted.
@@ -21,6 +23,8 @@ Times are taken in the profile's time: the plain steps here against the profile'
 BatchNorm calls are left out (a recompute would update their statistics again). Where a step
 is too slow to pair ``MIN_PAIRS`` times in ``BUDGET_S``, the generic prices stay: a frame and
 a policy are then a small share of the step.
+
+``as_written_step_ms`` pairs the prepared step with the model as its factory built it.
 """
 
 from __future__ import annotations

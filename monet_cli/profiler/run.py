@@ -122,7 +122,7 @@ def settle(workload: Workload) -> int:
     recording and op-timed steps, whose dispatch modes make and free other tensors, a 2-core
     CPU VM ran the next plain steps 1.5-3x slower than later ones (glibc had handed the freed
     memory back, and each page faulted in again): 131-178 ms against 80-90 for tiny_gpt and
-    the unet."""
+    the unet. A slow spell of the machine that lasts longer than the window passes for steady."""
     times: list[float] = []
     start = time.perf_counter()
     while len(times) < SETTLE_MAX_STEPS and time.perf_counter() - start < SETTLE_BUDGET_S:

@@ -37,7 +37,7 @@ from bench import methods as M  # noqa: E402
 from monet_cli.core.plan import plan_of, predicted, solve_schedule, variants_of  # noqa: E402
 from monet_cli.core.profile import InputSpec, Profile  # noqa: E402
 from monet_cli.core.segments import SegmentModel  # noqa: E402
-from monet_cli.core.simulate import simulate  # noqa: E402
+from monet_cli.core.simulate import SimResult, simulate  # noqa: E402
 from monet_cli.core.solver.search import Hint, Planner  # noqa: E402
 from monet_cli.profiler.run import env_info, profile_model  # noqa: E402
 from monet_cli.runtime.meter import measure_peak  # noqa: E402
@@ -126,14 +126,18 @@ def simulated(model: SegmentModel, checkpointed: list[str]) -> dict[str, Any]:
     # These methods run the model as written: no preparation to pay, the same step to compare with.
     reference = profile.baseline.reference_step_ms
     return {"predicted_peak_bytes": result.peak_bytes, "predicted_overhead": result.added_ms / reference,
-            "predicted_overhead_op_sums": simulate(_unwalled(model).profile, plan, model=_unwalled(model)).added_ms / reference}
+            "predicted_overhead_op_sums": _op_sums(model, plan).added_ms / reference}
 
 
 def op_sum_overhead(model: SegmentModel, plan: dict, variants: frozenset[int] = frozenset()) -> float:
     """The overhead the time model before the calls' wall times predicts for the same schedule (a
     recompute priced at its ops' timed sum): both models against one measurement."""
+    return predicted(_unwalled(model).profile, _op_sums(model, plan, variants)).overhead
+
+
+def _op_sums(model: SegmentModel, plan: dict, variants: frozenset[int] = frozenset()) -> SimResult:
     unwalled = _unwalled(model)
-    return predicted(unwalled.profile, simulate(unwalled.profile, plan, model=unwalled, variants=variants)).overhead
+    return simulate(unwalled.profile, plan, model=unwalled, variants=variants)
 
 
 @functools.cache

@@ -273,18 +273,20 @@ def test_checkpoint_s_frame_and_policy_are_priced_in_the_step(resnet18_profile, 
     from monet_cli.core.segments import SegmentModel
     from monet_cli.profiler import in_step
 
-    profile = replace(resnet18_profile, baseline=replace(resnet18_profile.baseline, step_ms=10.0))
+    profile = replace(resnet18_profile, baseline=replace(resnet18_profile.baseline, step_ms=10.0, steps=3))
     model = SegmentModel(profile)
     index = {model.calls[c].fqn: c for c in model.segments}
     workload = build_workload(small_spec(), CPU)
     modules = dict(workload.model.named_modules())
     swapped_together: set[frozenset[str]] = set()
     policies: set[frozenset[str]] = set()
+    steps_run = [0]
 
     def swapped() -> dict[str, object]:
         return {name: m.__dict__["forward"] for name, m in modules.items() if "forward" in m.__dict__}
 
     def step(*_args, **_kwargs) -> float:
+        steps_run[0] += 1
         ms = 10.0
         for name, forward in swapped().items():
             seg = model.segments[index[name]]
@@ -305,6 +307,11 @@ def test_checkpoint_s_frame_and_policy_are_priced_in_the_step(resnet18_profile, 
     cheapest, largest = swapped_together - {frozenset()} - policies, next(iter(policies))
     assert [len(s) for s in cheapest] == [in_step.FRAMES] and {"layer1", "layer4", "fc"} <= largest
     assert not swapped(), "forwards left swapped"
+    assert steps_run[0] == 2 * 2 * (in_step.WARM_UP_PAIRS + 3 * in_step.PAIRS_PER_STEP)  # frame and policy, 3 steps
+    steps_run[0] = 0
+    quick = replace(profile, baseline=replace(profile.baseline, steps=1))  # `monet profile --steps 1` pairs fewer
+    assert in_step.price_in_step(workload, quick) == priced
+    assert steps_run[0] == 2 * 2 * (in_step.WARM_UP_PAIRS + in_step.PAIRS_PER_STEP)
     slow = replace(profile, baseline=replace(profile.baseline, step_ms=1000.0))
     assert in_step.price_in_step(workload, slow) == profile.overheads  # too few pairs fit: generic prices
 
@@ -350,10 +357,10 @@ def test_a_schedule_s_overhead_is_taken_against_the_model_as_written(resnet18_pr
         return 10.0 if in_place.pop() else 11.0  # out of place: 1 ms more, on a machine twice as slow
 
     monkeypatch.setattr(workload, "timed_step", step)
-    assert as_written_step_ms(workload, 22.0) == pytest.approx(20.0)
+    assert as_written_step_ms(workload, 22.0, 3) == pytest.approx(20.0)
     assert not any(module.inplace for module in switched)
-    assert as_written_step_ms(replace(workload, out_of_place=()), 22.0) is None
-    assert as_written_step_ms(workload, 5000.0) is None
+    assert as_written_step_ms(replace(workload, out_of_place=()), 22.0, 3) is None
+    assert as_written_step_ms(workload, 5000.0, 3) is None
 
     baseline = replace(resnet18_profile.baseline, step_ms=22.0, as_written_step_ms=20.0)
     profile = replace(resnet18_profile, baseline=baseline)

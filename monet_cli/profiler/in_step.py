@@ -22,7 +22,8 @@ alternating order:
 Times are taken in the profile's time: the plain steps here against the profile's step time.
 BatchNorm calls are left out (a recompute would update their statistics again). Where a step
 is too slow to pair ``MIN_PAIRS`` times in ``BUDGET_S``, the generic prices stay: a frame and
-a policy are then a small share of the step.
+a policy are then a small share of the step. A profile of fewer timed steps (``--steps``)
+pairs fewer: ``PAIRS_PER_STEP`` per step.
 
 ``as_written_step_ms`` pairs the prepared step with the model as its factory built it.
 """
@@ -46,13 +47,15 @@ FRAMES = 16
 """Cheap calls checkpointed at once: their sum stands out of a step's noise."""
 BUDGET_S = 8.0
 """Per measurement (frame, policy, the model as written)."""
+PAIRS_PER_STEP = 10
+"""Pairs per timed step the profile was asked for (``--steps``): a quick profile pairs fewer."""
 MIN_PAIRS, MAX_PAIRS = 9, 31
 WARM_UP_PAIRS = 2
 
 
 def price_in_step(workload: Workload, profile: Profile) -> Overheads:
     """``profile.overheads`` with ``segment_ms`` and ``policy_op_ms`` timed in the step, where it fits the budget."""
-    pairs = _pairs(profile.baseline.step_ms)
+    pairs = _pairs(profile.baseline.step_ms, profile.baseline.steps)
     model = SegmentModel(profile)
     cheapest, largest = _calls(model, cheapest=True), _calls(model, cheapest=False)
     if pairs < MIN_PAIRS or not cheapest:
@@ -75,15 +78,15 @@ def price_in_step(workload: Workload, profile: Profile) -> Overheads:
     )
 
 
-def as_written_step_ms(workload: Workload, step_ms: float) -> float | None:
+def as_written_step_ms(workload: Workload, step_ms: float, steps: int) -> float | None:
     """The step with the activations ``build_workload`` switched out of place back in place,
-    paired with the prepared step, in the time of ``step_ms`` (the prepared step's): None
-    where nothing was switched or fewer than ``MIN_PAIRS`` pairs fit in ``BUDGET_S``.
+    paired with the prepared step, in the time of ``step_ms`` (the prepared step's, the median
+    of ``steps``): None where nothing was switched or fewer than ``MIN_PAIRS`` pairs fit.
 
     Every schedule runs them out of place (selective checkpointing cannot keep a tensor an
     in-place op wrote), which the user's model does not: on the unet (batch 16, this CPU) that
     alone cost 7.5% of the step, which monet's predicted overhead had left out."""
-    pairs = _pairs(step_ms)
+    pairs = _pairs(step_ms, steps)
     if not workload.out_of_place or pairs < MIN_PAIRS:
         return None
 
@@ -95,8 +98,9 @@ def as_written_step_ms(workload: Workload, step_ms: float) -> float | None:
     return round(step_ms + as_written_minus_prepared_ms / (prepared_ms / step_ms), 4)
 
 
-def _pairs(step_ms: float) -> int:
-    return min(MAX_PAIRS, int(BUDGET_S * 1000.0 / (2.0 * step_ms)))
+def _pairs(step_ms: float, steps: int) -> int:
+    """Pairs to time: ``PAIRS_PER_STEP`` per timed step, as many as fit in ``BUDGET_S``, at most ``MAX_PAIRS``."""
+    return min(MAX_PAIRS, PAIRS_PER_STEP * steps, int(BUDGET_S * 1000.0 / (2.0 * step_ms)))
 
 
 def _calls(model: SegmentModel, *, cheapest: bool) -> list[int]:

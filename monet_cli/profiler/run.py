@@ -96,7 +96,8 @@ def profile_model(
         timings.step_ms.append(step_ms)
         timings.call_ms.append(call_ms)
     progress("timing the model as written")
-    timings.as_written_step_ms = run_checked(lambda: as_written_step_ms(workload, timings.median_step_ms()), "timed step")
+    timings.as_written_step_ms = run_checked(lambda: as_written_step_ms(workload, timings.median_step_ms(), steps),
+                                             "timed step")
     reasons = structural_reasons(recorder)
     progress("rehearsing recomputes")
     candidates = [call.fqn for call in recorder.calls if not reasons[call.index]]

@@ -56,10 +56,13 @@ WARM_UP_PAIRS = 2
 def price_in_step(workload: Workload, profile: Profile) -> Overheads:
     """``profile.overheads`` with ``segment_ms`` and ``policy_op_ms`` timed in the step, where it fits the budget."""
     pairs = _pairs(profile.baseline.step_ms, profile.baseline.steps)
-    model = SegmentModel(profile)
-    cheapest, largest = _calls(model, cheapest=True), _calls(model, cheapest=False)
-    if pairs < MIN_PAIRS or not cheapest:
+    if pairs < MIN_PAIRS:  # a slow step: nothing to pair, so no candidates to find
         return profile.overheads
+    model = SegmentModel(profile)
+    cheapest = _calls(model, cheapest=True)
+    if not cheapest:
+        return profile.overheads
+    largest = _calls(model, cheapest=False)
     modules = dict(workload.model.named_modules())
     plain_ms, frames_ms = _paired(workload, _toggles([_Toggle(modules[model.calls[c].fqn]) for c in cheapest]), pairs)
     now = plain_ms / profile.baseline.step_ms  # this machine's speed now over the profile's steps'

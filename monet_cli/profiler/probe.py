@@ -4,8 +4,8 @@ The profile prices a recompute at the wall time of the forward code it re-runs (
 forwards, timed in plain steps), the frame in the step (``in_step.py``), and an op range's
 tape on a chain of one-argument ops (``overheads.py``). On a real block both can fall short:
 a long recompute packs and unpacks many of the model's tensors during backward; and the
-model's own ops cost the tape more than tanh does (views with size lists, transposes, splits into lists). On tiny_gpt
-(batch 16, on a fast spell of this machine) a checkpointed block took 8.9 ms where its ops
+model's own ops cost the tape more than tanh does (views with size lists, transposes, splits
+into lists). On tiny_gpt (batch 16, on a fast spell of this machine) a checkpointed block took 8.9 ms where its ops
 summed to 7.0; a range's recorder took about 45 us per own op in the forward, where the chain
 priced recording and replay together at 2 to 34 us.
 

@@ -1,13 +1,13 @@
 """Price checkpointing on the model's own code: what a recompute and an op range really cost.
 
 The profile prices a recompute at the wall time of the forward code it re-runs (its calls'
-forwards, timed in plain steps), the frame in the step (``in_step.py``), and an op range's
-tape on a chain of one-argument ops (``overheads.py``). On a real block both can fall short:
-a long recompute packs and unpacks many of the model's tensors during backward; and the
-model's own ops cost the tape more than tanh does (views with size lists, transposes, splits
-into lists). On tiny_gpt (batch 16, on a fast spell of this machine) a checkpointed block took 8.9 ms where its ops
-summed to 7.0; a range's recorder took about 45 us per own op in the forward, where the chain
-priced recording and replay together at 2 to 34 us.
+forwards, timed in plain steps), the frame in the step (``in_step.py``), and an op range's tape
+on a chain of one-argument ops (``overheads.py``). On a real block both can fall short: a long
+recompute packs and unpacks many of the model's tensors during backward; and the model's own
+ops cost the tape more than tanh does (views with size lists, transposes, splits into lists).
+On tiny_gpt (batch 16, on a fast spell of this machine) a checkpointed block took 8.9 ms where
+its ops summed to 7.0; a range's recorder took about 45 us per own op in the forward, where the
+chain priced recording and replay together at 2 to 34 us.
 
 So where the profile offers ranges, the module holding the most own ops among their modules
 is run alone, on copies, on the inputs it gets in the step, interleaved: its forward alone,

@@ -155,3 +155,14 @@ def test_one_worker_is_deterministic(workdir: Path):
     a = load_schedule(workdir / "schedules" / "d1.yaml")
     b = load_schedule(workdir / "schedules" / "d2.yaml")
     assert a.segments == b.segments and a.predicted == b.predicted
+
+
+def test_the_gap_at_which_the_solve_stops_is_checked_and_recorded(workdir: Path):
+    result = solve(workdir, "90%", "g.yaml", "--gap", "1")
+    assert result.exit_code == 2 and "--gap" in last_error(result)
+    result = solve(workdir, "90%", "g.yaml", "--gap", "0.2")
+    assert result.exit_code == 0, result.stderr
+    summary = json.loads(result.stdout)
+    assert summary["gap_limit"] == 0.2 and summary["gap"] <= 0.2
+    assert summary["status"] == ("OPTIMAL" if summary["gap"] == 0 else "FEASIBLE")
+    assert load_schedule(workdir / "schedules" / "g.yaml").solver.gap_limit == 0.2

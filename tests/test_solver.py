@@ -61,6 +61,31 @@ def test_same_inputs_same_schedule(enumerable):
     assert first.plan == second.plan
 
 
+def test_a_solve_stopped_at_its_gap_is_not_called_optimal():
+    """CP-SAT reports a stop at ``relative_gap_limit`` as OPTIMAL; the answer is only proven
+    within the gap. A two-way partition of 40 large numbers: its first answers are found long
+    before the bound meets them."""
+    import random
+
+    from ortools.sat.python import cp_model
+
+    from monet_cli.core.solver.cpsat import Variables, solve_model
+
+    rng = random.Random(1)
+    weights = [rng.randrange(10**5, 10**6) for _ in range(40)]
+    cp = cp_model.CpModel()
+    side = [cp.new_bool_var(f"side{i}") for i in range(len(weights))]
+    load = sum(w * s for w, s in zip(weights, side))
+    larger = cp.new_int_var(0, sum(weights), "larger")
+    cp.add(larger >= load)
+    cp.add(larger >= sum(weights) - load)
+    cp.minimize(larger)
+    stopped = solve_model(cp, Variables(), time_limit_s=20, workers=1, seed=0, relative_gap=0.3)
+    assert stopped.status == "FEASIBLE" and stopped.bound < stopped.objective <= stopped.bound / 0.7
+    proven = solve_model(cp, Variables(), time_limit_s=20, workers=1, seed=0)
+    assert proven.status == "OPTIMAL" and proven.objective == proven.bound == stopped.bound
+
+
 def test_linear_model_is_exact_for_single_segments(enumerable):
     """Point codes keep the simulator's event order, so one-segment plans are exact everywhere."""
     from monet_cli.core.solver.linear import LinearMemory

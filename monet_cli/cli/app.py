@@ -136,6 +136,11 @@ def solve(
         Optional[Path], typer.Option("--output", "-o", help="Schedule file. Default: schedules/NAME-BUDGET.yaml.")
     ] = None,
     time_limit: Annotated[float, typer.Option("--time-limit", help="Solver time limit in seconds.")] = 60.0,
+    gap: Annotated[
+        float,
+        typer.Option(help="Stop once the schedule's added time is proven within this fraction of the least "
+                          "possible (0.01 = 1%); 0: prove it optimal or run to --time-limit."),
+    ] = 0.01,
     workers: Annotated[
         Optional[int], typer.Option(help="CP-SAT workers. Default: CPU cores (max 8); 1 when CI is set.")
     ] = None,
@@ -168,7 +173,7 @@ def solve(
         if sweep and output is not None:
             raise UsageError("--output names one file; with --sweep schedules go to schedules/NAME-BUDGET.yaml")
         args = solve_cmd.SolveArgs(
-            profile=profile, budget=budget, output=output, time_limit=time_limit, workers=workers,
+            profile=profile, budget=budget, output=output, time_limit=time_limit, gap=gap, workers=workers,
             seed=seed, json_output=json_output, variants=variants, offloads=offload,
         )
         if sweep:

@@ -130,8 +130,9 @@ def _ratio(part: float, whole: float) -> str:
     return f"{100 * part / whole:.0f}%" if whole > 0 else "-"
 
 
-def _gap(value: float | None) -> str:
-    return "-" if value is None else f"{100 * value:.2f}%"
+def _gap(value: float | None, limit: float) -> str:
+    shown = "-" if value is None else f"{100 * value:.2f}%"
+    return f"{shown}  (stop at {100 * limit:g}%)" if limit > 0 else shown
 
 
 def schedule_table(schedule: Schedule, path: str) -> Table:
@@ -152,7 +153,7 @@ def schedule_table(schedule: Schedule, path: str) -> Table:
         ("solver", f"{solver.method}: {solver.status}"),
         ("objective / bound", "-" if solver.objective is None
          else f"{solver.objective:.3f} / {'-' if solver.bound is None else f'{solver.bound:.3f}'} ms recompute"),
-        ("gap", _gap(solver.gap)),
+        ("gap", _gap(solver.gap, solver.gap_limit)),
         ("time", f"{solver.time_s:.2f} s, {solver.workers} worker(s), seed {solver.seed}"),
         ("written to", path),
     ]

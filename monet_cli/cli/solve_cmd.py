@@ -24,6 +24,7 @@ class SolveArgs:
     budget: str
     output: Path | None
     time_limit: float
+    gap: float
     workers: int | None
     seed: int
     json_output: bool
@@ -54,12 +55,13 @@ def schedule_name(profile_path: Path, budget_spec: str) -> str:
 
 def solve_profile(
     profile: Profile, profile_path: Path, budget_spec: str, *, time_limit: float, workers: int, seed: int,
-    variants: bool = True, offloads: bool = True, report=lambda message: None,
+    gap: float = 0.0, variants: bool = True, offloads: bool = True, report=lambda message: None,
 ) -> tuple[Schedule, SolveOutcome]:
     budget = parse_budget(budget_spec, baseline_peak_bytes=profile.baseline.peak_bytes)
     planner = Planner(SegmentModel(profile), variants=variants, offloads=offloads)
     schedule, outcome = solve_schedule(planner, budget, budget_spec, time_limit_s=time_limit, workers=workers,
-                                       seed=seed, profile_sha256=file_sha256(profile_path), report=report)
+                                       seed=seed, relative_gap=gap, profile_sha256=file_sha256(profile_path),
+                                       report=report)
     if schedule is None:
         _explain_failure(planner, outcome, budget, time_limit, workers, seed)
     return schedule, outcome
@@ -119,6 +121,7 @@ def summary(schedule: Schedule, path: Path) -> dict[str, Any]:
         "objective_ms": schedule.solver.objective,
         "bound_ms": schedule.solver.bound,
         "gap": schedule.solver.gap,
+        "gap_limit": schedule.solver.gap_limit,
         "solve_time_s": schedule.solver.time_s,
     }
 
@@ -127,6 +130,8 @@ def _inputs(args: SolveArgs) -> tuple[Path, Profile, int]:
     """Checked solver options, the profile (default: the newest) and the worker count."""
     if args.time_limit <= 0:
         raise UsageError(f"--time-limit must be positive, got {args.time_limit:g}")
+    if not 0 <= args.gap < 1:
+        raise UsageError(f"--gap must be at least 0 and below 1 (0.01 = 1%), got {args.gap:g}")
     if args.workers is not None and args.workers < 1:
         raise UsageError(f"--workers must be at least 1, got {args.workers}")
     profile_path = args.profile or newest("configs/*.profile.yaml", "profile")
@@ -146,7 +151,7 @@ def run(args: SolveArgs) -> None:
     with stderr.status("solving ...") as status:
         schedule, _ = solve_profile(
             profile, profile_path, args.budget, time_limit=args.time_limit, workers=workers, seed=args.seed,
-            variants=args.variants, offloads=args.offloads, report=lambda message: _show(status, message),
+            gap=args.gap, variants=args.variants, offloads=args.offloads, report=lambda message: _show(status, message),
         )
     save_schedule(schedule, output)
     if args.json_output:
@@ -200,7 +205,8 @@ def run_sweep(args: SolveArgs, sweep: str, plot: Path | None) -> None:
             budget = parse_budget(spec, baseline_peak_bytes=profile.baseline.peak_bytes)
             status.update(f"solving {spec} ({format_bytes(budget)})")
             schedule, outcome = solve_schedule(planner, budget, spec, time_limit_s=args.time_limit, workers=workers,
-                                               seed=args.seed, hint=hint, profile_sha256=file_sha256(profile_path))
+                                               seed=args.seed, relative_gap=args.gap, hint=hint,
+                                               profile_sha256=file_sha256(profile_path))
             if schedule is None:
                 rows.append({"budget_spec": spec, "budget_bytes": budget, "status": outcome.status, "schedule": None})
                 break  # tighter budgets cannot do better

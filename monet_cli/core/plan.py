@@ -147,6 +147,7 @@ def solve_schedule(
     time_limit_s: float,
     workers: int,
     seed: int,
+    relative_gap: float = 0.0,
     hint: Hint | None = None,
     profile_sha256: str = "",
     report: Callable[[str], None] = lambda message: None,
@@ -154,14 +155,14 @@ def solve_schedule(
     """Profile + budget -> schedule, the one way: solve, then score the plan with the simulator
     (None when the solver found no plan). Solve, the sweep, the benchmarks and gpu-check all
     come through here."""
-    outcome = planner.solve(budget_bytes, time_limit_s=time_limit_s, workers=workers, seed=seed, hint=hint,
-                            report=report)
+    outcome = planner.solve(budget_bytes, time_limit_s=time_limit_s, workers=workers, seed=seed,
+                            relative_gap=relative_gap, hint=hint, report=report)
     if outcome.plan is None:
         return None, outcome
     schedule = build_schedule(
         planner.model.profile, outcome.plan, budget_bytes=budget_bytes, budget_spec=budget_spec,
         model=planner.model, profile_sha256=profile_sha256, variants=outcome.variants,
-        solver=solver_info(outcome, workers=workers, seed=seed, time_limit_s=time_limit_s),
+        solver=solver_info(outcome, workers=workers, seed=seed, time_limit_s=time_limit_s, relative_gap=relative_gap),
     )
     if schedule.predicted.peak_bytes > budget_bytes:  # the simulator is the judge; never return a plan over budget
         raise AssertionError("internal error: solver returned a plan the simulator puts over budget")

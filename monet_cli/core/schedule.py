@@ -155,6 +155,8 @@ class SolverInfo:
     workers: int
     seed: int
     time_limit_s: float
+    gap_limit: float = 0.0
+    """The relative gap at which the solver was told to stop (0: run to optimal or the time limit)."""
     ortools: str
 
 
@@ -244,7 +246,7 @@ OMITTED_WHEN_DEFAULT = frozenset({
 # schedules written before them keep their hash.
 HASHED_WHEN_SET = frozenset({
     "InputSpec.name", "ModelSpec.precision", "Fingerprint.precision", "Fingerprint.modules", "SegmentDecision.chain",
-    "Predicted.preparation_ms",
+    "Predicted.preparation_ms", "SolverInfo.gap_limit",
 }) | OMITTED_WHEN_DEFAULT
 
 

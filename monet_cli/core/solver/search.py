@@ -59,14 +59,15 @@ class MinimumPeak:
     breakdown: dict[str, int]
 
 
-def solver_info(outcome: SolveOutcome, *, workers: int, seed: int, time_limit_s: float) -> SolverInfo:
+def solver_info(outcome: SolveOutcome, *, workers: int, seed: int, time_limit_s: float,
+                relative_gap: float = 0.0) -> SolverInfo:
     """What a schedule file records about the solve that produced it."""
     import ortools
 
     return SolverInfo(
         method=outcome.method, status=outcome.status, objective=outcome.objective_ms, bound=outcome.bound_ms,
         gap=outcome.gap, time_s=outcome.time_s, workers=workers, seed=seed, time_limit_s=time_limit_s,
-        ortools=ortools.__version__,
+        gap_limit=relative_gap, ortools=ortools.__version__,
     )
 
 
@@ -89,9 +90,12 @@ class Planner:
         """The points whose rows can bind; a row is built when it joins the CP model."""
 
     def solve(
-        self, budget_bytes: int, *, time_limit_s: float, workers: int, seed: int,
+        self, budget_bytes: int, *, time_limit_s: float, workers: int, seed: int, relative_gap: float = 0.0,
         report: Report = _quiet, hint: Hint | None = None,
     ) -> SolveOutcome:
+        """The fastest plan within ``budget_bytes`` that the simulator accepts. With
+        ``relative_gap`` > 0 CP-SAT stops once its answer is proven within that fraction of the
+        fastest (status FEASIBLE, with the gap); 0 proves it optimal or runs to the time limit."""
         start = time.perf_counter()
         if self.profile.baseline.peak_bytes <= budget_bytes:
             result = simulate(self.profile, {}, model=self.model)
@@ -107,7 +111,7 @@ class Planner:
             cp, variables = build_model(self.model, rows, budget_bytes=budget_bytes, variants=self.offered)
             add_hint(cp, self.model, variables, *hint)
             cp_result = solve_model(
-                cp, variables, time_limit_s=remaining, workers=workers, seed=seed,
+                cp, variables, time_limit_s=remaining, workers=workers, seed=seed, relative_gap=relative_gap,
                 on_incumbent=lambda obj, bnd, t: report(f"incumbent {obj / 1000:.3f} ms added, bound {bnd / 1000:.3f} ms, {t:.1f}s"),
             )
             status = cp_result.status

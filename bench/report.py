@@ -472,7 +472,24 @@ def _gap_limit_line(rows: list[dict[str, Any]]) -> list[str]:
     if limits == {0.0}:
         return ["Each solve ran until proven optimal or the time limit."]
     return [f"Each solve stopped once proven within {', '.join(f'{100 * g:g}%' for g in sorted(limits))} of the "
-            "least added time (FEASIBLE with its gap), as `monet solve` does by default."]
+            "least added time (FEASIBLE with its gap, OPTIMAL where proven), as `monet solve` does by default."]
+
+
+SCALE_TARGETS = ((32, 30.0), (48, 60.0))
+"""The issue's solve targets: (layers, seconds end to end), OPTIMAL or within 1%."""
+
+
+def _scale_targets(rows: list[dict[str, Any]]) -> list[str]:
+    lines = []
+    for depth, limit_s in SCALE_TARGETS:
+        at_depth = [row for row in rows if row["depth"] == depth]
+        if not at_depth:
+            continue
+        longest = max(at_depth, key=lambda row: row["solve_total_s"])
+        met = all(row["solve_total_s"] <= limit_s and row["gap"] is not None and row["gap"] <= 0.01 for row in at_depth)
+        lines.append(f"- {depth}-layer decoders, solve <= {limit_s:g} s, OPTIMAL or within 1%: longest "
+                     f"{longest['solve_total_s']:.1f} s ({longest['family']}): **{'met' if met else 'not met'}**")
+    return lines
 
 
 def scale_table(scale: dict[str, Any]) -> str:
@@ -495,7 +512,7 @@ def scale_table(scale: dict[str, Any]) -> str:
             f"| {row['profile_s']:.1f} s | {row['planner_setup_s']:.1f} s | {row['solve_s']:.1f} s "
             f"| {row['solve_total_s']:.1f} s | {row['status']} ({row['method']}) | {gap} |"
         )
-    return "\n".join(lines)
+    return "\n".join([*lines, "", *_scale_targets(scale["rows"])])
 
 
 def main() -> int:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from monet_cli.core.plan import plan_of
+from monet_cli.core.plan import plan_of, variants_of
 from monet_cli.core.profile import load_profile
 from monet_cli.core.schedule import file_sha256, load_schedule
 from monet_cli.core.simulate import simulate
@@ -28,6 +28,6 @@ def test_shipped_schedule_matches_its_profile(path: Path):
     assert schedule.profile_sha256 in profiles, "solved from a profile that is not shipped"
     profile = load_profile(profiles[schedule.profile_sha256])
     assert profile.fingerprint == schedule.fingerprint
-    result = simulate(profile, plan_of(schedule))
+    result = simulate(profile, plan_of(schedule), variants=variants_of(schedule, profile))
     assert result.peak_bytes == schedule.predicted.peak_bytes <= schedule.budget_bytes
     assert schedule.fingerprint.device_type == "cpu"

@@ -3,8 +3,9 @@
 Hugging Face LLaMA- and GPT-2-style decoders, hidden size 128, batch 4 x 64 tokens,
 random weights, CPU. Per depth: forward ops, candidate segments, profile wall time, and the
 end-to-end solve at 60% of the baseline peak on 2 workers (planner construction, CP-SAT,
-simulator checks) with its status and gap. The solve stops at `monet solve`'s default gap (1%,
-the issue's target: OPTIMAL or within 1%) unless --gap says otherwise. Results go to bench/results/scale-cpu.json.
+simulator checks) with its status and gap. The solve stops at `monet solve`'s default gap
+(1%, the issue's target: OPTIMAL or within 1%) unless --gap says otherwise. Results go to
+bench/results/scale-cpu.json.
 
     python bench/scale.py                          # llama and gpt2, depths 4..96
     python bench/scale.py --families llama --depths 4,8,16 --time-limit 60

@@ -242,6 +242,13 @@ def test_same_inputs_give_the_same_schedule_file(solved, tmp_path):
     assert strip(texts[0]) == strip(texts[1])
 
 
+def _ctrl_c_delivered() -> None:
+    """In the child: SIGINT back to its default, so Python turns it into KeyboardInterrupt. A
+    suite started in the background by a shell without job control inherits SIGINT ignored,
+    and Python then leaves it ignored: the interrupt would be lost before monet saw it."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_ctrl_c_leaves_old_file_and_exits_130(tmp_path):
     out = tmp_path / "p.yaml"
     out.write_text("old contents\n")
@@ -249,7 +256,7 @@ def test_ctrl_c_leaves_old_file_and_exits_130(tmp_path):
     proc = subprocess.Popen(
         [sys.executable, "-m", "monet_cli", "profile", "resnet50", "-i", "3,128,128", "-b", "8", "--steps", "60",
          "--device", "cpu", "-o", str(out)],
-        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=_ctrl_c_delivered,
     )
     time.sleep(10)  # past start-up, well inside the ~40 s of timed steps
     assert proc.poll() is None, "profiling ended before the interrupt"
@@ -276,6 +283,7 @@ def test_ctrl_c_during_a_solve_sweep_leaves_only_complete_files(tmp_path):
     proc = subprocess.Popen(
         [sys.executable, "-m", "monet_cli", "solve", "--sweep", "99%:55%:1%", "--workers", "1"],
         cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        preexec_fn=_ctrl_c_delivered,
     )
     time.sleep(8)
     assert proc.poll() is None, "the sweep ended before the interrupt"

@@ -54,8 +54,8 @@ def schedule_name(profile_path: Path, budget_spec: str) -> str:
 
 
 def solve_profile(
-    profile: Profile, profile_path: Path, budget_spec: str, *, time_limit: float, workers: int, seed: int,
-    gap: float = 0.0, variants: bool = True, offloads: bool = True, report=lambda message: None,
+    profile: Profile, profile_path: Path, budget_spec: str, *, time_limit: float, gap: float, workers: int, seed: int,
+    variants: bool = True, offloads: bool = True, report=lambda message: None,
 ) -> tuple[Schedule, SolveOutcome]:
     budget = parse_budget(budget_spec, baseline_peak_bytes=profile.baseline.peak_bytes)
     planner = Planner(SegmentModel(profile), variants=variants, offloads=offloads)

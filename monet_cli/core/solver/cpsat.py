@@ -299,7 +299,7 @@ def solve_model(
 ) -> CpResult:
     """Solve ``cp``; with ``relative_gap`` > 0, stop once the answer is proven within that
     fraction of the optimum. CP-SAT reports such a stop as OPTIMAL; it is returned as FEASIBLE
-    unless the answer equals the bound."""
+    unless the bound proves the answer optimal."""
     solver = cp_model.CpSolver()
     solver.parameters.max_time_in_seconds = max(0.1, time_limit_s)
     solver.parameters.relative_gap_limit = relative_gap

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from bench.report import render
 from bench.run import main
 from monet_cli.core.units import format_bytes
@@ -36,3 +38,50 @@ def test_reach_bench_measures_each_family_floor(tmp_path: Path):
     assert any(f"({format_bytes(floors[-1])})" in point for point in row["floor_binding_points"])
     missed = render([], None, None, {"rows": [{**row, "below_blocks": 1.0}]}, tmp_path / "img")
     assert "- gpt: 1.000x" in missed and "  - why: " in missed
+
+
+def test_the_time_model_target_is_judged_on_paired_repeats_with_their_interval():
+    """Each monet point's overhead is the median of its steps over the unmodified step's in
+    the same repeat. Within 3 points of the prediction is met; further off but with the
+    prediction inside the median's 90% interval widened by 3 points is inside the noise; else
+    not met. A slow spell that slows both steps of a repeat changes nothing."""
+    from bench.report import time_model_target
+
+    spells = [100.0, 180.0, 90.0] * 7  # the machine's speed, repeat by repeat
+    base = {"step_ms_all": spells}
+
+    def point(name: str, overheads: list[float], predicted: float) -> dict:
+        return {"method": name, "predicted_overhead": predicted,
+                "step_ms_all": [ms * (1 + o) for ms, o in zip(spells, overheads)]}
+
+    close = point("close", [0.20] * 21, 0.19)
+    spread = [0.10 + 0.015 * k for k in range(21)]  # median 0.25, interval 0.19 to 0.31
+    noisy = point("noisy", spread[::2] + spread[1::2], 0.20)
+    far = point("far", [0.40] * 21, 0.20)
+    assert time_model_target([close], base)[0].endswith("**met**; within at 1 of 1 points")
+    lines = time_model_target([close, noisy], base)
+    assert "**not met**, inside the noise; within at 1 of 2 points" in lines[0]
+    assert lines[1].startswith("  - off by more, inside the noise") and "noisy +25.0% (+19.0% to +31.0%)" in lines[1]
+    lines = time_model_target([close, noisy, far], base)
+    assert "**not met**; within at 1 of 3 points" in lines[0]
+    assert lines[2] == "  - off by more, outside the noise: far +40.0% (+40.0% to +40.0%) against +20.0%"
+
+
+def test_the_median_s_interval_is_the_sign_test_s():
+    """21 values: the 7th smallest to the 7th largest (P(Binomial(21, 1/2) < 7) = 0.039, so
+    at least 92% hold the median); 41 values: the 15th to the 27th; 3 values: the extremes,
+    which hold it with 75%, the best three values give. Over many normal samples the interval
+    holds the true median about as often as it says."""
+    import random
+
+    from bench.report import median_interval
+
+    assert median_interval([float(v) for v in reversed(range(1, 22))], 0.9) == (7.0, 15.0)
+    assert median_interval([float(v) for v in range(1, 42)], 0.9) == (15.0, 27.0)
+    assert median_interval([3.0, 1.0, 2.0], 0.9) == (1.0, 3.0)
+    with pytest.raises(ValueError):
+        median_interval([], 0.9)
+    rng = random.Random(1)
+    samples = [[rng.gauss(0.0, 1.0) for _ in range(21)] for _ in range(2000)]
+    held = sum(low <= 0.0 <= high for low, high in (median_interval(s, 0.9) for s in samples)) / len(samples)
+    assert 0.90 <= held <= 0.95

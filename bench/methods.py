@@ -76,13 +76,18 @@ class CompiledStep:
         self.budget = budget
         self.compiled = torch.compile(workload.model, backend="aot_eager")
 
-    def step(self) -> None:
+    def step(self, on_phase: Callable[[str, torch.Tensor], None] | None = None) -> None:
+        """``Workload.step`` with the compiled model (``on_phase`` as there)."""
         import torch._functorch.config as functorch_config
 
         with functorch_config.patch(activation_memory_budget=self.budget):
             output = self.workload.run_model(self.compiled)
             loss = self.workload.loss_fn(output)
+            if on_phase:
+                on_phase("backward", loss)
             loss.backward()
+            if on_phase:
+                on_phase("optimizer", loss)
             if self.workload.optimizer is not None:
                 self.workload.optimizer.step()
 

@@ -85,3 +85,22 @@ def test_the_median_s_interval_is_the_sign_test_s():
     samples = [[rng.gauss(0.0, 1.0) for _ in range(21)] for _ in range(2000)]
     held = sum(low <= 0.0 <= high for low, high in (median_interval(s, 0.9) for s in samples)) / len(samples)
     assert 0.90 <= held <= 0.95
+
+
+def test_a_compiled_method_runs_as_the_bench_times_it():
+    """The bench times every method with ``Workload.timed_step``, which hands the step a phase
+    callback: torch.compile's method must take it (it once did not, and every compile point of
+    the transformer workloads failed)."""
+    import torch
+
+    from bench.methods import baseline, compiled
+    from bench.run import measure_compiled
+    from monet_cli.workload.resolve import Overrides, resolve_model_spec
+
+    spec = resolve_model_spec("configs/gpt.yaml", Overrides(batch_size=2))
+    phases = []
+    method = compiled(spec, torch.device("cpu"), 0.5)
+    assert method.workload.timed_step(seed=0, on_phase=lambda name, _loss: phases.append(name)) > 0
+    assert phases == ["backward", "optimizer"]
+    (row,) = measure_compiled(spec, torch.device("cpu"), [0.5], 1, baseline(spec, torch.device("cpu")))
+    assert "error" not in row and row["step_ms"] > 0 and row["peak_bytes"] > 0

@@ -46,13 +46,15 @@ def test_the_time_model_target_is_judged_on_paired_repeats_with_their_interval()
     prediction inside the median's 90% interval widened by 3 points is inside the noise; else
     not met. A slow spell that slows both steps of a repeat changes nothing."""
     from bench.report import time_model_target
+    from bench.run import paired_overhead
 
     spells = [100.0, 180.0, 90.0] * 7  # the machine's speed, repeat by repeat
     base = {"step_ms_all": spells}
 
     def point(name: str, overheads: list[float], predicted: float) -> dict:
-        return {"method": name, "predicted_overhead": predicted,
-                "step_ms_all": [ms * (1 + o) for ms, o in zip(spells, overheads)]}
+        steps = [ms * (1 + o) for ms, o in zip(spells, overheads)]
+        return {"method": name, "predicted_overhead": predicted, "step_ms_all": steps,
+                "overhead": paired_overhead(steps, spells)}
 
     close = point("close", [0.20] * 21, 0.19)
     spread = [0.10 + 0.015 * k for k in range(21)]  # median 0.25, interval 0.19 to 0.31
@@ -69,9 +71,9 @@ def test_the_time_model_target_is_judged_on_paired_repeats_with_their_interval()
 
 def test_the_median_s_interval_is_the_sign_test_s():
     """21 values: the 7th smallest to the 7th largest (P(Binomial(21, 1/2) < 7) = 0.039, so
-    at least 92% hold the median); 41 values: the 15th to the 27th; 3 values: the extremes,
-    which hold it with 75%, the best three values give. Over many normal samples the interval
-    holds the true median about as often as it says."""
+    at least 92% hold the median); 41 values: the 15th to the 27th; 3 values: the extremes
+    (they hold the median with 75%, the most three values can). Over many normal samples the
+    interval holds the true median about as often as it says."""
     import random
 
     from bench.report import median_interval

@@ -132,16 +132,13 @@ def targets(result: dict[str, Any]) -> list[str]:
             lines.append(f"- vs {p['method']} ({mib(p['peak_bytes'])} MiB): no monet point reaches that peak: **not met**")
         same_peak = next((m for m in monet if m["method"] == f"monet at {p['method']}"), None)
         if same_peak is not None:
-            per_repeat = [1 - ratio for ratio in paired_ratios(same_peak, p)]
-            if per_repeat:  # paired per repeat: a slow spell slows both
-                faster, (low, high) = statistics.median(per_repeat), median_interval(per_repeat, CONFIDENCE)
-                how = f" (paired per repeat: {CONFIDENCE:.0%} interval {100 * low:+.1f}% to {100 * high:+.1f}%)"
-            else:
-                faster, how = 1 - same_peak["step_ms"] / p["step_ms"], " (medians)"
+            per_repeat = [1 - ratio for ratio in paired_ratios(same_peak, p)]  # a slow spell slows both
+            faster, (low, high) = statistics.median(per_repeat), median_interval(per_repeat, CONFIDENCE)
+            how = f" (paired per repeat: {CONFIDENCE:.0%} interval {100 * low:+.1f}% to {100 * high:+.1f}%)"
             verdict = ""
             if p["method"] == "ckpt every block" and result["workload"] == "resnet50":
                 verdict = f"; target 10% faster: {'**met**' if faster >= SAME_PEAK_TARGET else '**not met**'}"
-                if per_repeat and faster < SAME_PEAK_TARGET <= high:
+                if faster < SAME_PEAK_TARGET <= high:
                     verdict += ", inside the noise"
                 if p.get("predicted_overhead") is not None:
                     predicted = 1 - (1 + same_peak["predicted_overhead"]) / (1 + p["predicted_overhead"])
@@ -181,7 +178,7 @@ def targets(result: dict[str, Any]) -> list[str]:
 def paired_ratios(point: dict[str, Any], against: dict[str, Any]) -> list[float]:
     """``point``'s step over ``against``'s in each repeat (both timed in it, one after the
     other): a slow spell of the machine slows both of a pair."""
-    return [a / b for a, b in zip(point.get("step_ms_all") or [], against.get("step_ms_all") or [])]
+    return [a / b for a, b in zip(point["step_ms_all"], against["step_ms_all"], strict=True)]
 
 
 def median_interval(values: list[float], confidence: float) -> tuple[float, float]:
@@ -210,8 +207,6 @@ def time_model_target(monet: list[dict[str, Any]], base: dict[str, Any]) -> list
     met, noise, missed = [], [], []
     for m in monet:
         ratios = [r - 1 for r in paired_ratios(m, base)]
-        if not ratios or m.get("predicted_overhead") is None:
-            continue
         measured, (low, high) = m["overhead"], median_interval(ratios, CONFIDENCE)
         predicted, band = m["predicted_overhead"], TIME_MODEL_POINTS / 100
         shown = f"{m['method']} {pct(measured)} ({pct(low)} to {pct(high)}) against {pct(predicted)}"

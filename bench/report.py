@@ -8,13 +8,13 @@ from __future__ import annotations
 import json
 import statistics
 import sys
-from math import comb
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.pairing import median_interval, paired_ratios  # noqa: E402
 from monet_cli.core.units import format_bytes  # noqa: E402
 
 MIB = 2**20
@@ -132,7 +132,8 @@ def targets(result: dict[str, Any]) -> list[str]:
             lines.append(f"- vs {p['method']} ({mib(p['peak_bytes'])} MiB): no monet point reaches that peak: **not met**")
         same_peak = next((m for m in monet if m["method"] == f"monet at {p['method']}"), None)
         if same_peak is not None:
-            per_repeat = [1 - ratio for ratio in paired_ratios(same_peak, p)]  # a slow spell slows both
+            # Paired per repeat: a slow spell slows both.
+            per_repeat = [1 - ratio for ratio in paired_ratios(same_peak["step_ms_all"], p["step_ms_all"])]
             faster, (low, high) = statistics.median(per_repeat), median_interval(per_repeat, CONFIDENCE)
             how = f" (paired per repeat: {CONFIDENCE:.0%} interval {100 * low:+.1f}% to {100 * high:+.1f}%)"
             verdict = ""
@@ -175,30 +176,6 @@ def targets(result: dict[str, Any]) -> list[str]:
     return lines
 
 
-def paired_ratios(point: dict[str, Any], against: dict[str, Any]) -> list[float]:
-    """``point``'s step over ``against``'s in each repeat (both timed in it, one after the
-    other): a slow spell of the machine slows both of a pair."""
-    return [a / b for a, b in zip(point["step_ms_all"], against["step_ms_all"], strict=True)]
-
-
-def median_interval(values: list[float], confidence: float) -> tuple[float, float]:
-    """The order statistics around the median of ``values`` that hold the true median with at
-    least ``confidence`` (the sign test's interval, which assumes nothing of how this
-    machine's noise is shaped); the extremes when there are too few values for that."""
-    ordered = sorted(values)
-    n = len(ordered)
-    if n == 0:
-        raise ValueError("no values")
-    # The largest k with P(Binomial(n, 1/2) < k) <= (1 - confidence) / 2: the interval runs
-    # from the k-th smallest to the k-th largest.
-    tail, below, k = (1 - confidence) / 2, 0.0, 0
-    while k < n // 2 and below + comb(n, k) / 2**n <= tail:
-        below += comb(n, k) / 2**n
-        k += 1
-    k = max(k, 1)
-    return ordered[k - 1], ordered[n - k]
-
-
 def time_model_target(monet: list[dict[str, Any]], base: dict[str, Any]) -> list[str]:
     """The time model's target, point by point: the measured overhead (the median of the
     paired per-repeat ratios to the unmodified step, ``bench/run.py``) with its interval. A
@@ -206,7 +183,7 @@ def time_model_target(monet: list[dict[str, Any]], base: dict[str, Any]) -> list
     by it is inside the noise: this many repeats cannot tell it from a met one."""
     met, noise, missed = [], [], []
     for m in monet:
-        ratios = [r - 1 for r in paired_ratios(m, base)]
+        ratios = [r - 1 for r in paired_ratios(m["step_ms_all"], base["step_ms_all"])]
         measured, (low, high) = m["overhead"], median_interval(ratios, CONFIDENCE)
         predicted, band = m["predicted_overhead"], TIME_MODEL_POINTS / 100
         shown = f"{m['method']} {pct(measured)} ({pct(low)} to {pct(high)}) against {pct(predicted)}"
@@ -311,8 +288,9 @@ def render(results: list[dict[str, Any]], quality: dict[str, Any] | None, scale:
         out += ["## Operator variants against checkpointing alone", "",
                 "`bench/variants.py`: one profile per workload, each budget solved with operator variants (the",
                 "output-keeping BatchNorm and the max-pooling keeping offsets; `monet solve`'s default) and without",
-                "(`--no-variants`), every schedule run and timed interleaved with the unmodified step in one process;",
-                "every schedule with variants also gets `apply --check`'s gradient comparison. \"x less",
+                "(`--no-variants`), every schedule run and timed interleaved with the unmodified step in one process",
+                "(overhead: the median over repeats of a step over the unmodified step in the same repeat); every",
+                "schedule with variants also gets `apply --check`'s gradient comparison. \"x less",
                 "activations\" = (baseline peak - fixed) / (peak - fixed), fixed = parameters, gradients and optimizer",
                 "state.", ""]
         for result in variants:
@@ -358,9 +336,8 @@ def _variant_findings(result: dict[str, Any]) -> list[str]:
     curves = {c: [p for p in result["points"] if p.get("curve") == c] for c in VARIANT_CURVES}
     with_v, without = curves["variants"], curves["checkpointing only"]
     monet = with_v + without
-    noise = 100 * (spread(baseline_point(result).get("step_ms_all") or []) or 0.0)
-    lines = [f"- timing noise: the unmodified step's repeats spread over {noise:.1f}% of its median; overhead "
-             "differences smaller than that are inside the noise"]
+    base = baseline_point(result)
+    lines = [f"- {line}" for line in _gap_limit_line(monet)]
     good = [p for p in with_v if p["overhead"] <= OVERHEAD_TARGET]
     best = max(good, key=lambda p: p["activation_ratio"], default=None)
     met = best is not None and best["activation_ratio"] >= 3
@@ -373,22 +350,8 @@ def _variant_findings(result: dict[str, Any]) -> list[str]:
     if floor["variants"] and floor["checkpointing only"]:
         lines.append(f"- smallest measured peak: {mib(floor['variants'])} MiB with variants, "
                      f"{mib(floor['checkpointing only'])} MiB without")
-    by_budget = {v["budget_spec"]: v for v in with_v}
-    worse, noisy = [], []
-    for c in without:
-        v = by_budget.get(c["budget_spec"])  # "min" is each curve's own floor: compared above, not here
-        if c["budget_spec"] == "min" or v is None or v["overhead"] <= c["overhead"]:
-            continue
-        row = f"{c['budget_spec']} ({pct(v['overhead'])} with, {pct(c['overhead'])} without)"
-        (noisy if 100 * (v["overhead"] - c["overhead"]) < noise else worse).append(row)
-    if worse:
-        verdict = "**not met** at " + "; ".join(worse)
-    elif noisy:
-        verdict = "**met within the noise**: slower by less than the noise at " + "; ".join(noisy)
-    else:
-        verdict = "**met** at every budget"
-    lines.append("- the curve with variants at or below checkpointing alone (at each budget, the schedule with "
-                 f"variants no slower than the one without): {verdict}")
+    lines.append(_variants_against_checkpointing(with_v, without))
+    lines += time_model_target(monet, base)
     errors = [abs(p["prediction_error"]) for p in monet]
     over = [p["method"] for p in monet if not p["within_budget"]]
     checks = [p["check"] for p in with_v if p.get("check")]
@@ -402,6 +365,31 @@ def _variant_findings(result: dict[str, Any]) -> list[str]:
            if checks else ""),
     ]
     return lines
+
+
+def _variants_against_checkpointing(with_v: list[dict[str, Any]], without: list[dict[str, Any]]) -> str:
+    """At each budget, the schedule with variants against the one without, paired per repeat:
+    slower only where the interval of the paired median lies above zero."""
+    by_budget = {v["budget_spec"]: v for v in with_v}
+    slower, noisy = [], []
+    for c in without:
+        v = by_budget.get(c["budget_spec"])  # "min" is each curve's own floor: compared above, not here
+        if c["budget_spec"] == "min" or v is None:
+            continue
+        ratios = [r - 1 for r in paired_ratios(v["step_ms_all"], c["step_ms_all"])]
+        median, (low, high) = statistics.median(ratios), median_interval(ratios, CONFIDENCE)
+        if median <= 0:
+            continue
+        row = f"{c['budget_spec']} ({pct(median)}, {CONFIDENCE:.0%} interval {pct(low)} to {pct(high)})"
+        (slower if low > 0 else noisy).append(row)
+    if slower:
+        verdict = "**not met**: slower at " + "; ".join(slower)
+    elif noisy:
+        verdict = "**met within the noise** (the interval reaches zero): slower at " + "; ".join(noisy)
+    else:
+        verdict = "**met** at every budget"
+    return ("- the curve with variants at or below checkpointing alone (at each budget, the step with variants "
+            f"over the one without, paired per repeat): {verdict}")
 
 
 def _reach_reason(result: dict[str, Any], with_v: list[dict[str, Any]]) -> str:

@@ -35,6 +35,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench import methods as M  # noqa: E402
+from bench.pairing import paired_overhead  # noqa: E402
 from monet_cli.core.plan import plan_of, predicted, solve_schedule, variants_of  # noqa: E402
 from monet_cli.core.profile import InputSpec, Profile  # noqa: E402
 from monet_cli.core.segments import SegmentModel  # noqa: E402
@@ -171,13 +172,6 @@ def measure_eager(methods: list[M.Method], repeats: int) -> dict[str, dict[str, 
             times[m.name].append(m.workload.timed_step(seed=r))
     return {m.name: {"peak_bytes": peaks[m.name], "step_ms": statistics.median(times[m.name]),
                      "step_ms_all": [round(t, 3) for t in times[m.name]]} for m in methods}
-
-
-def paired_overhead(steps_ms: list[float], baseline_steps_ms: list[float]) -> float:
-    """The median over repeats of a step's time over the unmodified step's in the same repeat,
-    minus one: a slow spell of the machine slows both of a pair, where the ratio of the two
-    medians takes each from its own spells."""
-    return statistics.median(a / b for a, b in zip(steps_ms, baseline_steps_ms, strict=True)) - 1
 
 
 def measure_compiled(spec, device, budgets: list[float], repeats: int, baseline: M.Method) -> list[dict[str, Any]]:

@@ -4,13 +4,14 @@ in one process.
 For each workload: one profile; budgets from 90% of the baseline peak down in 10% steps to
 the smallest peak each solver reaches, solved twice (with operator variants, and with
 ``variants=False``); every schedule applied and timed interleaved with the unmodified step
-(each repeat runs every method once, in rotating order), its peak measured, and for every
+(each repeat runs every method once, in rotating order; a point's overhead is the median of its
+step over the unmodified step's in the same repeat), its peak measured, and for every
 schedule with variants the gradient check (within the stated tolerance; BatchNorm
 statistics bit for bit). Writes bench/results/variants-<workload>-<device>.json;
 ``bench/report.py`` puts the tables and plots in docs/benchmarks.md.
 
     python bench/variants.py
-    python bench/variants.py --workloads mobilenet_v2 --repeats 5
+    python bench/variants.py --workloads mobilenet_v2 --repeats 9
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench import methods as M  # noqa: E402
+from bench.pairing import paired_overhead  # noqa: E402
 from bench.run import fixed_bytes, log, measure_eager, write_result  # noqa: E402
 from monet_cli.core.plan import solve_schedule  # noqa: E402
 from monet_cli.core.profile import Profile  # noqa: E402
@@ -40,7 +42,7 @@ WORKLOADS = ("resnet50", "mobilenet_v2", "unet")
 CURVES = {"variants": True, "checkpointing only": False}
 
 
-def curve(profile: Profile, *, variants: bool, time_limit: float, workers: int) -> list[tuple[Any, dict]]:
+def curve(profile: Profile, *, variants: bool, time_limit: float, workers: int, gap: float) -> list[tuple[Any, dict]]:
     """Schedules from 90% of the baseline peak down to the smallest peak the solver reaches."""
     planner = Planner(SegmentModel(profile), variants=variants)
     lowest = planner.minimum_peak(time_limit_s=time_limit, workers=workers, seed=0).peak_bytes
@@ -48,26 +50,29 @@ def curve(profile: Profile, *, variants: bool, time_limit: float, workers: int) 
     budgets = [b for b in budgets if b[1] > lowest] + [("min", lowest)]
     points = []
     for spec, budget in budgets:
-        schedule, outcome = solve_schedule(planner, budget, spec, time_limit_s=time_limit, workers=workers, seed=0)
+        schedule, outcome = solve_schedule(planner, budget, spec, time_limit_s=time_limit, workers=workers, seed=0,
+                                           relative_gap=gap)
         log(f"{'variants' if variants else 'checkpointing'} {spec}: {outcome.status} in {outcome.time_s:.2f}s")
         if schedule is not None:
             points.append((schedule, {
                 "budget_spec": spec, "budget_bytes": budget, "predicted_peak_bytes": schedule.predicted.peak_bytes,
                 "predicted_overhead": schedule.predicted.overhead, "status": outcome.status, "gap": outcome.gap,
+                "gap_limit": gap,
                 "solve_time_s": outcome.time_s, "segments": len(schedule.segments), "kept_ops": len(schedule.keeps),
                 "variants": len(schedule.variants),
             }))
     return points
 
 
-def run_workload(name: str, device: torch.device, *, repeats: int, time_limit: float, workers: int) -> dict[str, Any]:
+def run_workload(name: str, device: torch.device, *, repeats: int, time_limit: float, workers: int,
+                 gap: float) -> dict[str, Any]:
     spec = resolve_model_spec(name, Overrides(), configs_dir=ROOT / "configs")
     log(f"{name}: profiling")
     profile = profile_model(spec, device, steps=3)
     fixed = fixed_bytes(profile)
     methods, checks = [M.baseline(spec, device)], {}
     for label, variants in CURVES.items():
-        for schedule, info in curve(profile, variants=variants, time_limit=time_limit, workers=workers):
+        for schedule, info in curve(profile, variants=variants, time_limit=time_limit, workers=workers, gap=gap):
             method = M.monet(spec, device, schedule, {**info, "curve": label})
             method.name = f"{label} {schedule.budget_spec}"
             methods.append(method)
@@ -80,7 +85,7 @@ def run_workload(name: str, device: torch.device, *, repeats: int, time_limit: f
     points = []
     for method in methods:
         row = {"method": method.name, "kind": method.kind, **measured[method.name], **method.info}
-        row["overhead"] = row["step_ms"] / base["step_ms"] - 1
+        row["overhead"] = paired_overhead(row["step_ms_all"], base["step_ms_all"])
         row["activation_ratio"] = (base["peak_bytes"] - fixed) / max(1, row["peak_bytes"] - fixed)
         if "predicted_peak_bytes" in row:
             row["prediction_error"] = (row["predicted_peak_bytes"] - row["peak_bytes"]) / row["peak_bytes"]
@@ -106,15 +111,18 @@ def run_workload(name: str, device: torch.device, *, repeats: int, time_limit: f
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=21)
     parser.add_argument("--time-limit", type=float, default=60.0)
     parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--gap", type=float, default=0.01,
+                        help="relative gap at which each solve stops (monet solve's default; 0: prove each optimal)")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     args = parser.parse_args(argv)
     device = torch.device("cpu")
     args.out.mkdir(parents=True, exist_ok=True)
     for name in args.workloads.split(","):
-        result = run_workload(name, device, repeats=args.repeats, time_limit=args.time_limit, workers=args.workers)
+        result = run_workload(name, device, repeats=args.repeats, time_limit=args.time_limit, workers=args.workers,
+                              gap=args.gap)
         write_result(args.out / f"variants-{name}-{device.type}.json", result)
     return 0
 

@@ -45,8 +45,8 @@ def test_the_time_model_target_is_judged_on_paired_repeats_with_their_interval()
     the same repeat. Within 3 points of the prediction is met; further off but with the
     prediction inside the median's 90% interval widened by 3 points is inside the noise; else
     not met. A slow spell that slows both steps of a repeat changes nothing."""
+    from bench.pairing import paired_overhead
     from bench.report import time_model_target
-    from bench.run import paired_overhead
 
     spells = [100.0, 180.0, 90.0] * 7  # the machine's speed, repeat by repeat
     base = {"step_ms_all": spells}
@@ -76,7 +76,7 @@ def test_the_median_s_interval_is_the_sign_test_s():
     interval holds the true median about as often as it says."""
     import random
 
-    from bench.report import median_interval
+    from bench.pairing import median_interval
 
     assert median_interval([float(v) for v in reversed(range(1, 22))], 0.9) == (7.0, 15.0)
     assert median_interval([float(v) for v in range(1, 42)], 0.9) == (15.0, 27.0)

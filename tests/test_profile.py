@@ -262,18 +262,21 @@ def test_checkpoint_machinery_is_priced_per_saved_tensor(resnet18_profile):
 
 
 def test_checkpoint_s_frame_and_policy_are_priced_in_the_step(resnet18_profile, monkeypatch):
-    """The cheapest calls to checkpoint (none nested in another, no BatchNorm) run checkpointed
-    in the real step against plain steps, paired: what they add beyond their price, per frame,
-    goes to ``segment_ms``. The largest calls run under a selective policy against plain
-    checkpoint: the difference per op, forward and recompute, is ``policy_op_ms``. Both in the
-    profile's time. The step's timings are the benchmarks' business: here the step is a stub
-    that reads which forwards are swapped and adds a known cost for each."""
+    """The cheapest calls to checkpoint (none nested in another, no BatchNorm) and the largest
+    run checkpointed in the real step against plain steps, paired: what each set adds beyond
+    its price is frames and re-run ops, which the two sets weigh differently, so the frame's
+    extra goes to ``segment_ms`` and each re-run op's to ``python_op_ms``. The largest calls
+    run under a selective policy against plain checkpoint: the difference per op, forward and
+    recompute, is ``policy_op_ms``. All in the profile's time. The step's timings are the
+    benchmarks' business: here the step is a stub that reads which forwards are swapped and
+    adds a known cost for each."""
     from dataclasses import replace
 
     from monet_cli.core.segments import SegmentModel
     from monet_cli.profiler import in_step
 
-    profile = replace(resnet18_profile, baseline=replace(resnet18_profile.baseline, step_ms=10.0, steps=3))
+    profile = replace(resnet18_profile, baseline=replace(resnet18_profile.baseline, step_ms=10.0, steps=3),
+                      overheads=replace(resnet18_profile.overheads, python_op_ms=0.0))
     model = SegmentModel(profile)
     index = {model.calls[c].fqn: c for c in model.segments}
     workload = build_workload(small_spec(), CPU)
@@ -291,7 +294,7 @@ def test_checkpoint_s_frame_and_policy_are_priced_in_the_step(resnet18_profile, 
         for name, forward in swapped().items():
             seg = model.segments[index[name]]
             assert not isinstance(modules[name], torch.nn.BatchNorm2d), name
-            ms += model.added_ms(index[name]) + 0.5
+            ms += model.added_ms(index[name]) + 0.5 + 0.004 * (seg.stop - seg.first_op)
             if "context_fn" in forward.keywords:
                 ms += 0.03 * 2 * (seg.end_op - seg.first_op)
                 policies.add(frozenset(swapped()))
@@ -303,15 +306,17 @@ def test_checkpoint_s_frame_and_policy_are_priced_in_the_step(resnet18_profile, 
     monkeypatch.setattr(workload, "timed_step", step)
     priced = in_step.price_in_step(workload, profile)
     assert priced.segment_ms == pytest.approx(profile.overheads.segment_ms + 0.5, abs=1e-5)
+    assert priced.python_op_ms == pytest.approx(0.004, abs=1e-6)
     assert priced.policy_op_ms == pytest.approx(0.03, abs=1e-6)
-    cheapest, largest = swapped_together - {frozenset()} - policies, next(iter(policies))
+    largest = next(iter(policies))
+    cheapest = {s for s in swapped_together - {frozenset()} - policies if s != largest}
     assert [len(s) for s in cheapest] == [in_step.FRAMES] and {"layer1", "layer4", "fc"} <= largest
     assert not swapped(), "forwards left swapped"
-    assert steps_run[0] == 2 * 2 * (in_step.WARM_UP_PAIRS + 3 * in_step.PAIRS_PER_STEP)  # frame and policy, 3 steps
+    assert steps_run[0] == 3 * 2 * (in_step.WARM_UP_PAIRS + 3 * in_step.PAIRS_PER_STEP)  # 3 measurements, 3 steps
     steps_run[0] = 0
     quick = replace(profile, baseline=replace(profile.baseline, steps=1))  # `monet profile --steps 1` pairs fewer
     assert in_step.price_in_step(workload, quick) == priced
-    assert steps_run[0] == 2 * 2 * (in_step.WARM_UP_PAIRS + in_step.PAIRS_PER_STEP)
+    assert steps_run[0] == 3 * 2 * (in_step.WARM_UP_PAIRS + in_step.PAIRS_PER_STEP)
     slow = replace(profile, baseline=replace(profile.baseline, step_ms=1000.0))
     assert in_step.price_in_step(workload, slow) == profile.overheads  # too few pairs fit: generic prices
 

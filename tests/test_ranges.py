@@ -260,15 +260,14 @@ def test_every_range_replays_under_autocast_within_its_prediction():
         assert report.check.mode == "exact" and report.check.ok, (name, report.check)
 
 
-def test_recomputes_and_ranges_are_priced_on_the_model_s_own_code(range_net_profile, monkeypatch):
+def test_an_op_range_is_priced_on_the_model_s_own_code(range_net_profile, monkeypatch):
     """The module with the most own ops among those holding ranges runs alone: its forward, and
-    forward and backward plain, under plain checkpoint and as one range over its forward.
-    Checkpoint minus plain beyond what the profile prices, per re-run op, and range minus
-    checkpoint, per own op, are the prices, in the profile's time: the forward against the
-    call's wall time says how fast the machine runs now (the timings themselves are the
-    benchmarks' business: here they are given). Where only the
-    model itself holds ranges (range_net) or the module cannot run alone, the generic prices
-    stay (with a warning for the second)."""
+    forward and backward under plain checkpoint and as one range over its forward. Range minus
+    checkpoint, per own op, is the tape's price, in the profile's time: the forward against
+    the call's wall time says how fast the machine runs now (the timings themselves are the
+    benchmarks' business: here they are given). The rest of the profile's prices stay. Where
+    only the model itself holds ranges (range_net) or the module cannot run alone, the generic
+    prices stay (with a warning for the second)."""
     from dataclasses import replace
 
     from monet_cli.profiler import probe
@@ -283,27 +282,22 @@ def test_recomputes_and_ranges_are_priced_on_the_model_s_own_code(range_net_prof
                                                                               f"{block}.proj")
     assert probe._probe(SegmentModel(range_net_profile)) is None
     workload = build_workload(spec, CPU)
-    forward_ms, plain_ms, checkpoint_ms, range_ms = probe._timed(workload, found.range)  # the range replays as recorded
-    assert min(forward_ms, plain_ms, checkpoint_ms, range_ms) > 0 and forward_ms < plain_ms
+    forward_ms, checkpoint_ms, range_ms = probe._timed(workload, found.range)  # the range replays as recorded
+    assert min(forward_ms, checkpoint_ms, range_ms) > 0 and forward_ms < checkpoint_ms
 
-    generic = replace(profile.overheads, python_op_ms=0.0)
-    profile = replace(profile, overheads=generic)
-    model = SegmentModel(profile)
-    seg = model.segments[found.call]
-    priced = model.recompute_ms(found.call) + model.overhead_ms(found.call)
     wall = profile.calls[found.call].time_ms
-    # The machine runs twice as slow as in the profile's steps: each difference counts half.
-    monkeypatch.setattr(probe, "_timed", lambda *_args: (2 * wall, 10.0, 10.0 + 2 * (priced + 2.0), 10.0 + 2 * (priced + 5.0)))
+    # The machine runs twice as slow as in the profile's steps: the difference counts half.
+    monkeypatch.setattr(probe, "_timed", lambda *_args: (2 * wall, 10.0, 10.0 + 2 * 3.0))
     measured = probe.probe_overheads(workload, profile)
-    assert measured.python_op_ms == pytest.approx(2.0 / (seg.stop - seg.first_op), abs=1e-6)
     assert measured.range_op_ms == pytest.approx(3.0 / found.range.own_ops, abs=1e-6)
+    assert measured == replace(profile.overheads, range_op_ms=measured.range_op_ms)
 
     def fails(*_args):
         raise RuntimeError("needs its parent")
 
     monkeypatch.setattr(probe, "_timed", fails)
-    with pytest.warns(UserWarning, match="checkpointing keeps its generic prices: timing 'blocks.* alone failed"):
-        assert probe.probe_overheads(workload, profile) == generic
+    with pytest.warns(UserWarning, match="op ranges keep their generic price: timing 'blocks.* alone failed"):
+        assert probe.probe_overheads(workload, profile) == profile.overheads
 
 
 def test_a_mode_a_call_pushes_in_its_pre_hook_stays_on_top(range_net_profile):

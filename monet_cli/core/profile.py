@@ -150,9 +150,9 @@ class Overheads:
     python_op_ms: float = 0.0
     """What each op a recompute re-runs costs beyond what the profile prices it at (its share of
     the wall time of the code it runs, ``ModuleCall.time_ms``): a recompute runs during
-    backward, with checkpoint's unpacking around it. Timed on the model's own code where a
-    module qualifies (``profiler/probe.py``), else 0. A kept op pays it too: its code runs,
-    its kernel does not. In profiles without wall times it also holds the code's cost."""
+    backward, with checkpoint's unpacking around it. Timed in the model's own step where
+    ``segment_ms`` is (its largest calls checkpointed), else 0. A kept op pays it too: its code
+    runs, its kernel does not. In profiles without wall times it also holds the code's cost."""
     range_op_ms: float = 0.0
     """Each of an op range's own ops beyond plain checkpoint's cost: written to the tape in the
     forward and replayed from it in the recompute, in Python. Timed on one of the model's own

@@ -459,7 +459,7 @@ class SegmentModel:
         """Time of a segment's recompute (as ``frame`` when nested): the ops it re-runs, timed one
         by one, scaled to the wall time of the module call whose code runs them
         (``code_scale``), and a kept op's share of that code, which runs while its kernel does
-        not; plus ``python_op_ms`` per op, what the probe measured beyond that."""
+        not; plus ``python_op_ms`` per op, what the step measured beyond that."""
         seg = self.segments[call_index]
         stop, burst_pos = (frame.stop, frame.burst_pos) if frame else (seg.stop, seg.burst_pos)
         if burst_pos is None:

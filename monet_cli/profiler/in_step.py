@@ -13,12 +13,17 @@ solver chose many small segments and the step ran 8 to 12 points slower than pre
 
 So the step itself is timed with module calls under ``torch.utils.checkpoint``, paired, in
 alternating order:
-- the cheapest calls to checkpoint (``FRAMES`` at most, none nested in another) against the
-  plain step: their added time beyond what the profile prices them at, spread over the
-  frames, is added to ``segment_ms``;
-- the largest calls (none nested in another) under a selective policy that keeps nothing,
-  against plain checkpoint: the difference, per op run under the policy in the forward and
-  in the recompute, is ``policy_op_ms``.
+- the cheapest calls to checkpoint (``FRAMES`` at most, none nested in another), and the
+  largest (none nested in another), each set against the plain step. What each set added
+  beyond the profile's price is so many frames and so many re-run ops: the two sets weigh
+  them differently, so the two equations give the frame's extra cost (added to
+  ``segment_ms``) and each re-run op's (``python_op_ms``, at least 0). Timed on a block alone
+  (as ``probe.py`` once did) the per-op cost came out at 5 to 10 us on tiny_gpt, where the step
+  said none: schedules of whole blocks and ranges ran 2 to 3 ms (5 points of the step)
+  faster than predicted;
+- the largest calls under a selective policy that keeps nothing, against plain checkpoint:
+  the difference, per op run under the policy in the forward and in the recompute, is
+  ``policy_op_ms``.
 Times are taken in the profile's time: the plain steps here against the profile's step time.
 BatchNorm calls are left out (a recompute would update their statistics again). Where a step
 is too slow to pair ``MIN_PAIRS`` times in ``BUDGET_S``, the generic prices stay: a frame and
@@ -46,7 +51,7 @@ from monet_cli.workload.step import Workload
 FRAMES = 16
 """Cheap calls checkpointed at once: their sum stands out of a step's noise."""
 BUDGET_S = 8.0
-"""Per measurement (frame, policy, the model as written)."""
+"""Per measurement (frames, recomputes, policy, the model as written)."""
 PAIRS_PER_STEP = 10
 """Pairs per timed step the profile was asked for (``--steps``): a quick profile pairs fewer."""
 MIN_PAIRS, MAX_PAIRS = 9, 31
@@ -54,19 +59,26 @@ WARM_UP_PAIRS = 2
 
 
 def price_in_step(workload: Workload, profile: Profile) -> Overheads:
-    """``profile.overheads`` with ``segment_ms`` and ``policy_op_ms`` timed in the step, where it fits the budget."""
+    """``profile.overheads`` with ``segment_ms``, ``python_op_ms`` and ``policy_op_ms`` timed in
+    the step, where it fits the budget."""
     pairs = _pairs(profile.baseline.step_ms, profile.baseline.steps)
     if pairs < MIN_PAIRS:  # a slow step: nothing to pair, so no candidates to find
         return profile.overheads
-    model = SegmentModel(profile)
+    model = SegmentModel(replace(profile, overheads=replace(profile.overheads, python_op_ms=0.0)))
     cheapest = _calls(model, cheapest=True)
     if not cheapest:
         return profile.overheads
     largest = _calls(model, cheapest=False)
     modules = dict(workload.model.named_modules())
-    plain_ms, frames_ms = _paired(workload, _toggles([_Toggle(modules[model.calls[c].fqn]) for c in cheapest]), pairs)
+
+    def checkpointed(calls: list[int]) -> Callable[[bool], None]:
+        return _toggles([_Toggle(modules[model.calls[c].fqn]) for c in calls])
+
+    plain_ms, frames_ms = _paired(workload, checkpointed(cheapest), pairs)
     now = plain_ms / profile.baseline.step_ms  # this machine's speed now over the profile's steps'
-    unpriced_ms = frames_ms / now - sum(model.added_ms(c) for c in cheapest)
+    _, recomputes_ms = _paired(workload, checkpointed(largest), pairs)
+    frame_ms, op_ms = _unpriced(_Checkpointed(model, cheapest, frames_ms / now),
+                                _Checkpointed(model, largest, recomputes_ms / now))
     policies = [_Toggle(modules[model.calls[c].fqn], policy=True) for c in largest]
     try:
         _, policy_ms = _paired(workload, _toggles(policies), pairs)
@@ -76,9 +88,32 @@ def price_in_step(workload: Workload, profile: Profile) -> Overheads:
     ops = sum(model.segments[c].end_op - model.segments[c].first_op for c in largest)
     return replace(
         profile.overheads,
-        segment_ms=round(max(0.0, profile.overheads.segment_ms + unpriced_ms / len(cheapest)), 6),
+        segment_ms=round(max(0.0, profile.overheads.segment_ms + frame_ms), 6),
+        python_op_ms=round(op_ms, 6),
         policy_op_ms=round(max(0.0, policy_ms / now / (2 * ops)), 6),
     )
+
+
+class _Checkpointed:
+    """Calls checkpointed together in the step: their frames, the ops their recomputes re-run,
+    and the time they added (in the profile's time) beyond the model's price without a per-op
+    extra."""
+
+    def __init__(self, model: SegmentModel, calls: list[int], added_ms: float) -> None:
+        self.frames = len(calls)
+        self.ops = sum(model.segments[c].stop - model.segments[c].first_op for c in calls)
+        self.unpriced_ms = added_ms - sum(model.added_ms(c) for c in calls)
+
+
+def _unpriced(many_frames: _Checkpointed, long_recomputes: _Checkpointed) -> tuple[float, float]:
+    """What a frame and a re-run op cost beyond the price, from two sets of calls that weigh
+    them differently (each unpriced time is frames x the first plus ops x the second): the
+    per-op cost, at least 0, and the frame's then from the set of many frames (where both sets
+    re-run as many ops a frame, all of it goes to frames)."""
+    a, b = many_frames, long_recomputes
+    determinant = a.frames * b.ops - b.frames * a.ops
+    op_ms = max(0.0, (a.frames * b.unpriced_ms - b.frames * a.unpriced_ms) / determinant) if determinant > 0 else 0.0
+    return (a.unpriced_ms - op_ms * a.ops) / a.frames, op_ms
 
 
 def as_written_step_ms(workload: Workload, step_ms: float, steps: int) -> float | None:

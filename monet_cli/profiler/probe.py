@@ -1,23 +1,21 @@
-"""Price checkpointing on the model's own code: what a recompute and an op range really cost.
+"""Price an op range on the model's own code: what its tape really costs.
 
-The profile prices a recompute at the wall time of the forward code it re-runs (its calls'
-forwards, timed in plain steps), the frame in the step (``in_step.py``), and an op range's tape
-on a chain of one-argument ops (``overheads.py``). On a real block both can fall short: a long
-recompute packs and unpacks many of the model's tensors during backward; and the model's own
-ops cost the tape more than tanh does (views with size lists, transposes, splits into lists).
-On tiny_gpt (batch 16, on a fast spell of this machine) a checkpointed block took 8.9 ms where
-its ops summed to 7.0; a range's recorder took about 45 us per own op in the forward, where the
-chain priced recording and replay together at 2 to 34 us.
+The profile prices an op range's tape on a chain of one-argument ops (``overheads.py``). The
+model's own ops cost the tape more than tanh does (views with size lists, transposes, splits
+into lists): on tiny_gpt (batch 16, on a fast spell of this machine) a range's recorder took
+about 45 us per own op in the forward, where the chain priced recording and replay together
+at 2 to 34 us.
 
 So where the profile offers ranges, the module holding the most own ops among their modules
 is run alone, on copies, on the inputs it gets in the step, interleaved: its forward alone,
-and forward and backward as PyTorch runs it, under plain checkpoint, and as one op range over
-its whole forward. The forward against the call's wall time in the profile's steps says how
-fast the machine runs now, and the differences below are taken in the profile's time.
-Checkpoint minus plain, beyond what the profile prices (the recompute, the frame and its
-saved tensors), divided by the ops the recompute re-runs, is the extra cost of each re-run
-op. The range minus checkpoint (both re-run the same ops under the same frame: the range adds
-its tape) divided by its own ops is the tape's price per own op.
+and forward and backward under plain checkpoint and as one op range over its whole forward.
+The forward against the call's wall time in the profile's steps says how fast the machine
+runs now, and the difference is taken in the profile's time: the range minus checkpoint
+(both re-run the same ops under the same frame: the range adds its tape) divided by its own
+ops is the tape's price per own op.
+
+What a recompute's code costs beyond its calls' wall times is timed in the step
+(``in_step.py``): timed here, on a block alone, it came out higher than in the step.
 """
 
 from __future__ import annotations
@@ -58,27 +56,22 @@ class _Probe:
 
 
 def probe_overheads(workload: Workload, profile: Profile) -> Overheads:
-    """``profile.overheads`` with the recompute's code cost and the range's price taken on the
-    model's own code, where a module qualifies (else unchanged; a warning says why when the
-    module cannot run alone)."""
+    """``profile.overheads`` with the range's price taken on the model's own code, where a
+    module qualifies (else unchanged; a warning says why when the module cannot run alone)."""
     model = SegmentModel(profile)
     probe = _probe(model)
     if probe is None:
         return profile.overheads
     try:
-        forward_ms, plain_ms, checkpoint_ms, range_ms = _timed(workload, probe.range)
+        forward_ms, checkpoint_ms, range_ms = _timed(workload, probe.range)
     except Exception as err:  # a module that cannot run alone: the model's own step is not at stake
-        warnings.warn(f"monet: checkpointing keeps its generic prices: timing '{probe.range.within}' alone failed "
+        warnings.warn(f"monet: op ranges keep their generic price: timing '{probe.range.within}' alone failed "
                       f"({type(err).__name__}: {err})", stacklevel=2)
         return profile.overheads
-    seg = model.segments[probe.call]
     wall_ms = profile.calls[probe.call].time_ms
     now = forward_ms / wall_ms if wall_ms else 1.0  # this machine's speed now over the profile's steps'
-    priced = model.recompute_ms(probe.call) + model.overhead_ms(probe.call)
-    rerun = seg.stop - seg.first_op
     return replace(
         profile.overheads,
-        python_op_ms=round(max(0.0, ((checkpoint_ms - plain_ms) / now - priced) / rerun), 6),
         range_op_ms=round(max(0.0, (range_ms - checkpoint_ms) / now / probe.range.own_ops), 6),
     )
 
@@ -103,17 +96,16 @@ def _probe(model: SegmentModel) -> _Probe | None:
     return best[1] if best else None
 
 
-def _timed(workload: Workload, whole: SegmentDecision) -> tuple[float, float, float, float]:
-    """Median ms of the module's forward alone, and of its forward and backward: plain, under
-    checkpoint, as the range."""
+def _timed(workload: Workload, whole: SegmentDecision) -> tuple[float, float, float]:
+    """Median ms of the module's forward alone, and of its forward and backward under
+    checkpoint and as the range."""
     module = dict(workload.model.named_modules())[whole.within]
     inputs = _inputs_of(workload, module)
     plain, checkpointed, ranged = (copy.deepcopy(module) for _ in range(3))
     inside = dict(ranged.named_modules())
     calls = [inside[path.removeprefix(f"{whole.within}.")] for path in whole.calls]
     RangeSegment(whole, ranged, calls, MachineryMarker()).install()
-    runs = (_forward(plain, inputs), _step(plain, inputs), _step(checkpointed, inputs, checkpointed=True),
-            _step(ranged, inputs))
+    runs = (_forward(plain, inputs), _step(checkpointed, inputs, checkpointed=True), _step(ranged, inputs))
     rounds = _interleaved(runs, workload)
     return tuple(statistics.median(column) for column in zip(*rounds))  # type: ignore[return-value]
 

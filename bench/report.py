@@ -225,8 +225,9 @@ def analysis(result: dict[str, Any]) -> list[str]:
                          f"(mean {sum(before) / len(before):+.1f}, mean absolute {mean_abs(before):.1f})")
     if timed:
         lines.append("- the prediction counts the wall time of the forward code a recompute re-runs (each module call "
-                     "timed in plain steps), the checkpoint machinery priced by `monet profile` (a frame and the "
-                     "selective policy timed in the model's own step where steps are short) and, at monet's points, "
+                     "timed in plain steps), the checkpoint machinery priced by `monet profile` (a frame, a re-run op's "
+                     "extra and the selective policy timed in the model's own step where steps are short) and, at "
+                     "monet's points, "
                      "running in-place activations out of place (the overhead is taken against the model as written); "
                      "where the rest goes: \"Where a checkpointed step's added time goes\" below")
     noise = spread(base.get("step_ms_all") or [])
@@ -478,8 +479,9 @@ def time_gap_table(gap: dict[str, Any]) -> str:
         "phase by phase; a wrapper times each block's recompute inside backward (no dispatch mode in the way).",
         "Medians, in % of the unmodified step: measured parts of the step measured beside it, the model's parts of",
         "the step of its own profile (this machine's speed drifts between the two). \"Recompute, model\" is the",
-        "wall time of the re-run blocks' forwards in the profile's plain steps (and the probe's extra cost per re-run",
-        "op, where a module qualifies); \"machinery, model\" what `monet profile` prices checkpoint itself",
+        "wall time of the re-run blocks' forwards in the profile's plain steps (and the extra cost per re-run op",
+        "the profile priced: timed on a module alone before 2026-12-04, in the step since); \"machinery, model\"",
+        "what `monet profile` prices checkpoint itself",
         "at (a frame timed in the model's own step where steps are short, its saved tensors on a synthetic chain);",
         "\"forward\" the added forward (checkpoint's frames and packing);",
         "\"backward rest\" the added backward time outside the recompute (unpacking, the autograd engine).",

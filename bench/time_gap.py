@@ -2,8 +2,8 @@
 
 The time model prices a schedule as the wall time of the forward code it re-runs (each module
 call timed in the profile's plain steps) plus the checkpoint machinery ``monet profile`` prices
-(a frame and the selective policy timed in the model's own step where steps are short, saved
-tensors on a synthetic chain). This bench checks each part against a real step. Per workload:
+(a frame, a re-run op's extra and the selective policy timed in the model's own step where
+steps are short, saved tensors on a synthetic chain). This bench checks each part against a real step. Per workload:
 one fresh profile; the schedule that checkpoints every block (no ops kept); the unmodified step
 and the scheduled one timed interleaved, phase by phase (forward, backward, optimizer step).
 Inside the scheduled backward, a wrapper times each block's recompute (its forward called again

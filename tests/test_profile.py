@@ -262,10 +262,11 @@ def test_checkpoint_machinery_is_priced_per_saved_tensor(resnet18_profile):
 
 
 def test_checkpoint_s_frame_and_policy_are_priced_in_the_step(resnet18_profile, monkeypatch):
-    """The cheapest calls to checkpoint (none nested in another, no BatchNorm) and the largest
-    run checkpointed in the real step against plain steps, paired: what each set adds beyond
-    its price is frames and re-run ops, which the two sets weigh differently, so the frame's
-    extra goes to ``segment_ms`` and each re-run op's to ``python_op_ms``. The largest calls
+    """The cheapest calls to checkpoint (none nested in another, no BatchNorm), the few
+    cheapest of them and the largest run checkpointed in the real step against plain steps,
+    paired: what each set adds beyond its price is a cost paid once, frames and re-run ops,
+    which the three sets weigh differently, so the once goes to ``first_frame_ms``, the
+    frame's extra to ``segment_ms`` and each re-run op's to ``python_op_ms``. The largest calls
     run under a selective policy against plain checkpoint: the difference per op, forward and
     recompute, is ``policy_op_ms``. All in the profile's time. The step's timings are the
     benchmarks' business: here the step is a stub that reads which forwards are swapped and
@@ -298,6 +299,7 @@ def test_checkpoint_s_frame_and_policy_are_priced_in_the_step(resnet18_profile, 
             if "context_fn" in forward.keywords:
                 ms += 0.03 * 2 * (seg.end_op - seg.first_op)
                 policies.add(frozenset(swapped()))
+        ms += 0.7 if swapped() else 0.0
         swapped_together.add(frozenset(swapped()))
         taken = sorted((model.segments[index[n]].first_op, model.segments[index[n]].end_op) for n in swapped())
         assert all(end <= start for (_, end), (start, _) in zip(taken, taken[1:])), "nested calls checkpointed at once"
@@ -305,18 +307,20 @@ def test_checkpoint_s_frame_and_policy_are_priced_in_the_step(resnet18_profile, 
 
     monkeypatch.setattr(workload, "timed_step", step)
     priced = in_step.price_in_step(workload, profile)
+    assert priced.first_frame_ms == pytest.approx(0.7, abs=1e-5)
     assert priced.segment_ms == pytest.approx(profile.overheads.segment_ms + 0.5, abs=1e-5)
     assert priced.python_op_ms == pytest.approx(0.004, abs=1e-6)
     assert priced.policy_op_ms == pytest.approx(0.03, abs=1e-6)
     largest = next(iter(policies))
     cheapest = {s for s in swapped_together - {frozenset()} - policies if s != largest}
-    assert [len(s) for s in cheapest] == [in_step.FRAMES] and {"layer1", "layer4", "fc"} <= largest
+    assert sorted(len(s) for s in cheapest) == [in_step.FEW_FRAMES, in_step.FRAMES]
+    assert {"layer1", "layer4", "fc"} <= largest
     assert not swapped(), "forwards left swapped"
-    assert steps_run[0] == 3 * 2 * (in_step.WARM_UP_PAIRS + 3 * in_step.PAIRS_PER_STEP)  # 3 measurements, 3 steps
+    assert steps_run[0] == 4 * 2 * (in_step.WARM_UP_PAIRS + 3 * in_step.PAIRS_PER_STEP)  # 4 measurements, 3 steps
     steps_run[0] = 0
     quick = replace(profile, baseline=replace(profile.baseline, steps=1))  # `monet profile --steps 1` pairs fewer
     assert in_step.price_in_step(workload, quick) == priced
-    assert steps_run[0] == 3 * 2 * (in_step.WARM_UP_PAIRS + in_step.PAIRS_PER_STEP)
+    assert steps_run[0] == 4 * 2 * (in_step.WARM_UP_PAIRS + in_step.PAIRS_PER_STEP)
     slow = replace(profile, baseline=replace(profile.baseline, step_ms=1000.0))
     assert in_step.price_in_step(workload, slow) == profile.overheads  # too few pairs fit: generic prices
 
@@ -333,8 +337,18 @@ def test_the_profile_times_calls_once_the_step_time_settles():
         def timed_step(self):
             return next(self.times)
 
-    assert settle(Steps([300.0, 180.0, 95.0, 90.0, 150.0, 92.0, 88.0, 91.0, 500.0])) == 8
-    assert settle(Steps([100.0, 200.0] * 20)) == 20
+    assert len(settle(Steps([300.0, 180.0, 95.0, 90.0, 150.0, 92.0, 88.0, 91.0, 500.0]))) == 8
+    assert len(settle(Steps([100.0, 200.0] * 20))) == 20
+
+
+def test_short_steps_are_timed_several_times_per_step_asked_for():
+    """As many as fit in the timing budget (3 s), 1 to 5 per ``--steps``."""
+    from monet_cli.profiler.run import steps_per_tick
+
+    assert steps_per_tick(3, 50.0) == 5
+    assert steps_per_tick(3, 400.0) == 2
+    assert steps_per_tick(3, 1400.0) == 1
+    assert steps_per_tick(1, 700.0) == 4
 
 
 def test_a_schedule_s_overhead_is_taken_against_the_model_as_written(resnet18_profile, monkeypatch, tmp_path):
@@ -377,7 +391,8 @@ def test_a_schedule_s_overhead_is_taken_against_the_model_as_written(resnet18_pr
                               solver=info, profile_sha256="", model=model)
     pred = schedule.predicted
     assert pred.baseline_step_ms == 20.0 and pred.preparation_ms == pytest.approx(2.0)
-    assert pred.overhead == pytest.approx((22.0 + model.added_ms(call)) / 20.0 - 1.0, abs=1e-5)
+    added_ms = model.added_ms(call) + profile.overheads.first_frame_ms
+    assert pred.overhead == pytest.approx((22.0 + added_ms) / 20.0 - 1.0, abs=1e-5)
     save_schedule(schedule, tmp_path / "s.yaml")
     assert consistency_problem(load_schedule(tmp_path / "s.yaml")) is None
     assert resnet18_profile.baseline.as_written_step_ms > 0  # the profile measures it (resnet18's ReLUs run in place)

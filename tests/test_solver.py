@@ -355,3 +355,39 @@ def test_a_cut_binds_only_plans_with_the_segments_that_met_there(two_branch):
     cp, variables = build_model(model, planner.all_rows() + [cut], budget_bytes=profile.baseline.peak_bytes)
     answer = solve_model(cp, variables, time_limit_s=10, workers=1, seed=0)
     assert answer.status == "OPTIMAL" and segment not in answer.plan
+
+
+def test_what_the_step_pays_once_for_checkpointing_is_priced_once(enumerable):
+    """``first_frame_ms`` is added once to any schedule with a segment, never to the empty
+    one: in the simulator, in the solver's objective (which still finds the enumerated best)
+    and in the schedule, whose first segment carries it so its parts add up."""
+    from dataclasses import replace
+
+    from monet_cli.core.plan import build_schedule
+    from monet_cli.core.schedule import SolverInfo, consistency_problem
+
+    profile, model, scored = enumerable
+    once = 5.0
+    costly = replace(profile, overheads=replace(profile.overheads, first_frame_ms=profile.overheads.first_frame_ms + once))
+    costly_model = SegmentModel(costly)
+    plan = next(p for _, p in scored if len(p) >= 2)
+    assert simulate(costly, plan).added_ms == pytest.approx(simulate(profile, plan).added_ms + once)
+    assert simulate(costly, {}).added_ms == 0.0
+
+    below = sorted({r.peak_bytes for r, _ in scored if r.peak_bytes < profile.baseline.peak_bytes})
+    budget = below[len(below) // 2]  # the empty plan does not fit
+    best = min(round(r.added_ms, 3) for r, _ in scored if r.peak_bytes <= budget)
+    outcome = Planner(costly_model).solve(budget, time_limit_s=20, workers=1, seed=0)
+    assert outcome.status == "OPTIMAL" and outcome.plan
+    assert outcome.result.added_ms == pytest.approx(best + once, abs=0.01)
+    assert outcome.objective_ms == pytest.approx(outcome.result.added_ms, abs=0.01 * (1 + len(outcome.plan)))
+
+    info = SolverInfo(method="test", status="n/a", objective=None, bound=None, gap=None, time_s=0.0, workers=1,
+                      seed=0, time_limit_s=0.0, ortools="")
+    schedule = build_schedule(costly, plan, budget_bytes=costly.baseline.peak_bytes, budget_spec="100%",
+                              solver=info, profile_sha256="", model=costly_model)
+    plain = build_schedule(profile, plan, budget_bytes=profile.baseline.peak_bytes, budget_spec="100%",
+                           solver=info, profile_sha256="", model=model)
+    assert consistency_problem(schedule) is None
+    assert schedule.segments[0].overhead_ms == pytest.approx(plain.segments[0].overhead_ms + once, abs=1e-4)
+    assert [s.overhead_ms for s in schedule.segments[1:]] == [s.overhead_ms for s in plain.segments[1:]]

@@ -32,16 +32,18 @@ from monet_cli.errors import UsageError
 
 def decisions_of(model: SegmentModel, plan: Plan, variants: Variants = frozenset()) -> tuple[Decision, ...]:
     """The plan as schedule decisions, in forward order: each segment, then the ops it keeps;
-    then the operator variants, in forward order."""
+    then the operator variants, in forward order. The first segment's overhead carries what
+    the step pays once for checkpointing anything (``Overheads.first_frame_ms``)."""
     ops = model.profile.ops
     frames = model.frames(plan)
     decisions: list[Decision] = []
-    for call in sorted(plan, key=lambda c: (model.segments[c].first_op, -model.segments[c].end_op)):
+    once_ms = model.profile.overheads.first_frame_ms
+    for n, call in enumerate(sorted(plan, key=lambda c: (model.segments[c].first_op, -model.segments[c].end_op))):
         seg = model.segments[call]
         decisions.append(SegmentDecision(
             module=seg.fqn, chain=seg.members, call=call, first_op=seg.first_op, end_op=seg.end_op,
             recompute_ms=round(model.recompute_ms(call, plan[call], frames[call]), 4),
-            overhead_ms=round(model.overhead_ms(call, plan[call], frames[call]), 4),
+            overhead_ms=round(model.overhead_ms(call, plan[call], frames[call]) + (once_ms if n == 0 else 0.0), 4),
             **(_range_fields(model.profile, seg.range) if seg.range else {}),
         ))
         decisions += [KeepDecision(segment=seg.fqn, index=i, op=ops[i].op, occurrence=model.occurrence(call, i))

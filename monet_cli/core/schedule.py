@@ -54,7 +54,8 @@ class SegmentDecision:
     """Predicted time of the segment's recompute in backward: the ops it re-runs, priced at their
     share of the wall time of the code that runs them (``SegmentModel.recompute_ms``)."""
     overhead_ms: float = 0.0
-    """Measured checkpoint machinery time (per call, plus per op when it keeps ops)."""
+    """Measured checkpoint machinery time (per call, plus per op when it keeps ops; the
+    schedule's first segment also carries what the step pays once for checkpointing anything)."""
     chain: tuple[str, ...] = ()
     """A chain's module paths, in call order: sibling calls run under one checkpoint."""
     within: str | None = None

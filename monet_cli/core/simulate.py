@@ -156,6 +156,7 @@ def simulate(profile: Profile, plan: Plan, *, model: SegmentModel | None = None,
     frames = events.frames
     recompute_ms = sum((model.recompute_ms(call, kept, frames[call]) for call, kept in plan.items()), 0.0)
     added_ms = sum((model.added_ms(call, kept, frames[call]) for call, kept in plan.items()), 0.0)
+    added_ms += profile.overheads.first_frame_ms if plan else 0.0
     added_ms += sum((model.profile.variants[v].time_ms for v in variants), 0.0)
     return SimResult(
         peak_bytes=peak,

@@ -13,14 +13,18 @@ solver chose many small segments and the step ran 8 to 12 points slower than pre
 
 So the step itself is timed with module calls under ``torch.utils.checkpoint``, paired, in
 alternating order:
-- the cheapest calls to checkpoint (``FRAMES`` at most, none nested in another), and the
-  largest (none nested in another), each set against the plain step. What each set added
-  beyond the profile's price is so many frames and so many re-run ops: the two sets weigh
-  them differently, so the two equations give the frame's extra cost (added to
-  ``segment_ms``) and each re-run op's (``python_op_ms``, at least 0). Timed on a block alone
-  (as ``probe.py`` once did) the per-op cost came out at 5 to 10 us on tiny_gpt, where the step
-  said none: schedules of whole blocks and ranges ran 2 to 3 ms (5 points of the step)
-  faster than predicted;
+- the cheapest calls to checkpoint (``FRAMES`` at most, none nested in another), the
+  ``FEW_FRAMES`` cheapest of them, and the largest calls (none nested in another), each set
+  against the plain step. What each set added beyond the profile's price is a cost the step
+  pays once for checkpointing anything, so many frames and so many re-run ops: the three sets
+  weigh them differently, so the three equations give the once (``first_frame_ms``), the
+  frame's extra (added to ``segment_ms``) and each re-run op's (``python_op_ms``), the first
+  and the last at least 0. On tiny_gpt a checkpointed GELU added 1.2 ms, four 2.9 and sixteen
+  cheap calls 7.7: priced per frame alone, the 16 gave 0.48 ms a frame, and schedules of a
+  few small segments ran 3 to 5 points slower than predicted. Timed on a block alone (as
+  ``probe.py`` once did) the per-op cost came out at 5 to 10 us, where the step said none:
+  schedules of whole blocks and ranges ran 2 to 3 ms (5 points of the step) faster than
+  predicted;
 - the largest calls under a selective policy that keeps nothing, against plain checkpoint:
   the difference, per op run under the policy in the forward and in the recompute, is
   ``policy_op_ms``.
@@ -50,8 +54,11 @@ from monet_cli.workload.step import Workload
 
 FRAMES = 16
 """Cheap calls checkpointed at once: their sum stands out of a step's noise."""
+FEW_FRAMES = 4
+"""The cheapest of them, checkpointed alone: against all ``FRAMES``, what the step pays once
+for checkpointing anything stands apart from what each frame costs."""
 BUDGET_S = 8.0
-"""Per measurement (frames, recomputes, policy, the model as written)."""
+"""Per measurement (few and many frames, recomputes, policy, the model as written)."""
 PAIRS_PER_STEP = 10
 """Pairs per timed step the profile was asked for (``--steps``): a quick profile pairs fewer."""
 MIN_PAIRS, MAX_PAIRS = 9, 31
@@ -59,8 +66,8 @@ WARM_UP_PAIRS = 2
 
 
 def price_in_step(workload: Workload, profile: Profile) -> Overheads:
-    """``profile.overheads`` with ``segment_ms``, ``python_op_ms`` and ``policy_op_ms`` timed in
-    the step, where it fits the budget."""
+    """``profile.overheads`` with ``first_frame_ms``, ``segment_ms``, ``python_op_ms`` and
+    ``policy_op_ms`` timed in the step, where it fits the budget."""
     pairs = _pairs(profile.baseline.step_ms, profile.baseline.steps)
     if pairs < MIN_PAIRS:  # a slow step: nothing to pair, so no candidates to find
         return profile.overheads
@@ -76,9 +83,12 @@ def price_in_step(workload: Workload, profile: Profile) -> Overheads:
 
     plain_ms, frames_ms = _paired(workload, checkpointed(cheapest), pairs)
     now = plain_ms / profile.baseline.step_ms  # this machine's speed now over the profile's steps'
+    few = cheapest[:FEW_FRAMES]
+    few_ms = _paired(workload, checkpointed(few), pairs)[1] if len(few) < len(cheapest) else frames_ms
     _, recomputes_ms = _paired(workload, checkpointed(largest), pairs)
-    frame_ms, op_ms = _unpriced(_Checkpointed(model, cheapest, frames_ms / now),
-                                _Checkpointed(model, largest, recomputes_ms / now))
+    once_ms, frame_ms, op_ms = _unpriced(_Checkpointed(model, few, few_ms / now),
+                                         _Checkpointed(model, cheapest, frames_ms / now),
+                                         _Checkpointed(model, largest, recomputes_ms / now))
     policies = [_Toggle(modules[model.calls[c].fqn], policy=True) for c in largest]
     try:
         _, policy_ms = _paired(workload, _toggles(policies), pairs)
@@ -88,6 +98,7 @@ def price_in_step(workload: Workload, profile: Profile) -> Overheads:
     ops = sum(model.segments[c].end_op - model.segments[c].first_op for c in largest)
     return replace(
         profile.overheads,
+        first_frame_ms=round(once_ms, 6),
         segment_ms=round(max(0.0, profile.overheads.segment_ms + frame_ms), 6),
         python_op_ms=round(op_ms, 6),
         policy_op_ms=round(max(0.0, policy_ms / now / (2 * ops)), 6),
@@ -105,15 +116,41 @@ class _Checkpointed:
         self.unpriced_ms = added_ms - sum(model.added_ms(c) for c in calls)
 
 
-def _unpriced(many_frames: _Checkpointed, long_recomputes: _Checkpointed) -> tuple[float, float]:
-    """What a frame and a re-run op cost beyond the price, from two sets of calls that weigh
-    them differently (each unpriced time is frames x the first plus ops x the second): the
-    per-op cost, at least 0, and the frame's then from the set of many frames (where both sets
-    re-run as many ops a frame, all of it goes to frames)."""
-    a, b = many_frames, long_recomputes
-    determinant = a.frames * b.ops - b.frames * a.ops
-    op_ms = max(0.0, (a.frames * b.unpriced_ms - b.frames * a.unpriced_ms) / determinant) if determinant > 0 else 0.0
-    return (a.unpriced_ms - op_ms * a.ops) / a.frames, op_ms
+def _unpriced(few: _Checkpointed, many: _Checkpointed, long: _Checkpointed) -> tuple[float, float, float]:
+    """What the step pays once, each frame and each re-run op beyond the price, from three
+    sets of calls that weigh them differently (each set's unpriced time is the first, plus
+    its frames times the second, plus its re-run ops times the third). The once and per-op
+    costs are at least 0: where the three equations give less, that one is held at 0 and the
+    rest solved from the two sets that weigh them most (few and many frames for the frame and
+    the once, many frames and long recomputes for the frame and the op); where both, all of
+    the many frames' unpriced time goes to frames."""
+    tries = ((True, True, (few, many, long)), (True, False, (few, many)), (False, True, (many, long)))
+    for with_once, with_op, sets in tries:
+        rows = [[1.0] * with_once + [float(s.frames)] + [float(s.ops)] * with_op for s in sets]
+        solution = _solve(rows, [s.unpriced_ms for s in sets])
+        if solution is None:
+            continue
+        once_ms, op_ms = (solution[0] if with_once else 0.0), (solution[-1] if with_op else 0.0)
+        if once_ms >= 0 and op_ms >= 0:
+            return once_ms, solution[1 if with_once else 0], op_ms
+    return 0.0, many.unpriced_ms / many.frames, 0.0
+
+
+def _solve(rows: list[list[float]], values: list[float]) -> list[float] | None:
+    """The solution of a small square linear system (Gaussian elimination, largest pivot
+    first), or None when it has no single one."""
+    a = [row + [value] for row, value in zip(rows, values)]
+    n = len(a)
+    for col in range(n):
+        pivot = max(range(col, n), key=lambda r: abs(a[r][col]))
+        if abs(a[pivot][col]) < 1e-9 * max(1.0, max(abs(x) for x in a[pivot][:n])):
+            return None
+        a[col], a[pivot] = a[pivot], a[col]
+        for r in range(n):
+            if r != col:
+                factor = a[r][col] / a[col][col]
+                a[r] = [x - factor * y for x, y in zip(a[r], a[col])]
+    return [a[i][n] / a[i][i] for i in range(n)]
 
 
 def as_written_step_ms(workload: Workload, step_ms: float, steps: int) -> float | None:

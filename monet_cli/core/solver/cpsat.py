@@ -81,6 +81,8 @@ class Costs:
     when nothing later is saved); the inner segment's own cost is in ``seg``."""
     variant: dict[int, int]
     """A variant's measured forward and backward time beyond the unmodified modules'."""
+    first_frame: int
+    """What the step pays once when any segment is chosen."""
 
 
 def step_costs(model: SegmentModel) -> Costs:
@@ -96,12 +98,13 @@ def step_costs(model: SegmentModel) -> Costs:
     for (outer, inner), frames in model.pair_frames.items():
         frame = frames[outer]
         nest[(outer, inner)] = round(model.added_ms(outer, frame=frame) * US_PER_MS) - seg[outer]
-    return Costs(seg=seg, keep_saving=keep_saving, policy=policy, nest=nest, variant=variant)
+    return Costs(seg=seg, keep_saving=keep_saving, policy=policy, nest=nest, variant=variant,
+                 first_frame=round(model.profile.overheads.first_frame_ms * US_PER_MS))
 
 
 def objective_us(model: SegmentModel, costs: Costs, plan: Plan, variants: Variants = frozenset()) -> int:
     """The objective of ``plan`` exactly as ``build_model`` writes it."""
-    return sum(costs.variant[v] for v in variants) + sum(
+    return (costs.first_frame if plan else 0) + sum(costs.variant[v] for v in variants) + sum(
         costs.seg[c] + (costs.policy[c] if kept else 0) - sum(costs.keep_saving[(c, i)] for i in kept)
         for c, kept in plan.items()
     ) + sum(costs.nest[path[-2:]] for path in nest_paths(model, plan))
@@ -152,13 +155,22 @@ def build_model(
         return cp, v
     costs = step_costs(model)
     cp.minimize(
-        sum(costs.seg[c] * v.seg[c] for c in v.seg)
+        _any_segment(cp, v) * costs.first_frame
+        + sum(costs.seg[c] * v.seg[c] for c in v.seg)
         + sum(costs.policy[c] * v.policy[c] for c in v.policy)
         - sum(costs.keep_saving[k] * v.keep[k] for k in v.keep)
         + sum(costs.nest[pair] * v.nest[pair] for pair in v.nest)
         + sum(costs.variant[i] * v.variant[i] for i in v.variant)
     )
     return cp, v
+
+
+def _any_segment(cp: cp_model.CpModel, v: Variables) -> cp_model.IntVar:
+    """True when a segment is chosen (minimising keeps it false otherwise)."""
+    chosen = cp.new_bool_var("any segment")
+    for seg in v.seg.values():
+        cp.add_implication(seg, chosen)
+    return chosen
 
 
 def _add_variants(cp: cp_model.CpModel, model: SegmentModel, v: Variables, offered: tuple[int, ...]) -> None:

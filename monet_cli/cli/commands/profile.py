@@ -51,7 +51,11 @@ def profile(
         Optional[str],
         typer.Option(help="auto, cross_entropy, token_cross_entropy, mean_square or package.module:function."),
     ] = None,
-    steps: Annotated[int, typer.Option(help="Timed steps after one warm-up; times are their median.")] = 3,
+    steps: Annotated[
+        int,
+        typer.Option(help="Timed steps after one warm-up (short steps: up to 5 times as many, as fit in 3 s); "
+                          "times are their median."),
+    ] = 3,
     seed: Annotated[Optional[int], typer.Option(help="Seed for weights and random inputs.")] = None,
     output: Annotated[
         Optional[Path], typer.Option("--output", "-o", help="Profile file. Default: configs/NAME.profile.yaml.")

@@ -306,7 +306,7 @@ def test_checkpoint_s_frame_and_policy_are_priced_in_the_step(resnet18_profile, 
         return 2 * ms  # the machine runs twice as slow as in the profile's steps
 
     monkeypatch.setattr(workload, "timed_step", step)
-    priced = in_step.price_in_step(workload, profile)
+    priced = in_step.price_in_step(workload, profile, 3)
     assert priced.first_frame_ms == pytest.approx(0.7, abs=1e-5)
     assert priced.segment_ms == pytest.approx(profile.overheads.segment_ms + 0.5, abs=1e-5)
     assert priced.python_op_ms == pytest.approx(0.004, abs=1e-6)
@@ -318,11 +318,10 @@ def test_checkpoint_s_frame_and_policy_are_priced_in_the_step(resnet18_profile, 
     assert not swapped(), "forwards left swapped"
     assert steps_run[0] == 4 * 2 * (in_step.WARM_UP_PAIRS + 3 * in_step.PAIRS_PER_STEP)  # 4 measurements, 3 steps
     steps_run[0] = 0
-    quick = replace(profile, baseline=replace(profile.baseline, steps=1))  # `monet profile --steps 1` pairs fewer
-    assert in_step.price_in_step(workload, quick) == priced
+    assert in_step.price_in_step(workload, profile, 1) == priced  # `monet profile --steps 1` pairs fewer
     assert steps_run[0] == 4 * 2 * (in_step.WARM_UP_PAIRS + in_step.PAIRS_PER_STEP)
     slow = replace(profile, baseline=replace(profile.baseline, step_ms=1000.0))
-    assert in_step.price_in_step(workload, slow) == profile.overheads  # too few pairs fit: generic prices
+    assert in_step.price_in_step(workload, slow, 3) == profile.overheads  # too few pairs fit: generic prices
 
 
 def test_the_profile_times_calls_once_the_step_time_settles():

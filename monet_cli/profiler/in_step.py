@@ -65,10 +65,11 @@ MIN_PAIRS, MAX_PAIRS = 9, 31
 WARM_UP_PAIRS = 2
 
 
-def price_in_step(workload: Workload, profile: Profile) -> Overheads:
+def price_in_step(workload: Workload, profile: Profile, steps: int) -> Overheads:
     """``profile.overheads`` with ``first_frame_ms``, ``segment_ms``, ``python_op_ms`` and
-    ``policy_op_ms`` timed in the step, where it fits the budget."""
-    pairs = _pairs(profile.baseline.step_ms, profile.baseline.steps)
+    ``policy_op_ms`` timed in the step, where it fits the budget (``steps``: the profile's
+    ``--steps``)."""
+    pairs = _pairs(profile.baseline.step_ms, steps)
     if pairs < MIN_PAIRS:  # a slow step: nothing to pair, so no candidates to find
         return profile.overheads
     model = SegmentModel(replace(profile, overheads=replace(profile.overheads, python_op_ms=0.0)))

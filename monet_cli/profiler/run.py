@@ -114,7 +114,7 @@ def profile_model(
     profile = replace(build_profile(workload, recorder, lifetimes, timings, measurement.peak_bytes, measurement.meter,
                                     reasons), overheads=overheads)
     progress("pricing checkpoint's frame and policy in the step")
-    profile = replace(profile, overheads=run_checked(lambda: price_in_step(workload, profile), "pricing step"))
+    profile = replace(profile, overheads=run_checked(lambda: price_in_step(workload, profile, steps), "pricing step"))
     progress("pricing recomputes and op ranges on the model's own code")
     profile = replace(profile, overheads=run_checked(lambda: probe_overheads(workload, profile), "timing a module alone"))
     progress("measuring operator variants")

@@ -95,10 +95,10 @@ def profile_model(
         progress(f"timing ops (step {i + 1}/{steps})")
         timings.op_ms.append(run_checked(lambda: _timed_ops(workload, recorder), "timed step"))
     progress("waiting for the step time to settle")
-    settled_ms = run_checked(lambda: settle(workload), "warm-up step")
+    per_tick = steps_per_tick(steps, run_checked(lambda: settle(workload), "warm-up step")[-1])
     for i in range(steps):
         progress(f"timing steps (step {i + 1}/{steps})")
-        for _ in range(steps_per_tick(steps, settled_ms[-1])):
+        for _ in range(per_tick):
             step_ms, call_ms = run_checked(lambda: _timed_calls(workload, recorder), "timed step")
             timings.step_ms.append(step_ms)
             timings.call_ms.append(call_ms)
@@ -113,9 +113,9 @@ def profile_model(
         reasons[call.index] = reasons[call.index] or differs.get(call.fqn, "")
     profile = replace(build_profile(workload, recorder, lifetimes, timings, measurement.peak_bytes, measurement.meter,
                                     reasons), overheads=overheads)
-    progress("pricing checkpoint's frame and policy in the step")
+    progress("pricing checkpoint in the step (once, per frame, per re-run op, the policy)")
     profile = replace(profile, overheads=run_checked(lambda: price_in_step(workload, profile, steps), "pricing step"))
-    progress("pricing recomputes and op ranges on the model's own code")
+    progress("pricing op ranges on the model's own code")
     profile = replace(profile, overheads=run_checked(lambda: probe_overheads(workload, profile), "timing a module alone"))
     progress("measuring operator variants")
     variants = run_checked(lambda: measure_variants(workload, find_sites(profile)), "measuring operator variants")

@@ -45,6 +45,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import replace
 from typing import Any
 
+import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
@@ -138,20 +139,13 @@ def _unpriced(few: _Checkpointed, many: _Checkpointed, long: _Checkpointed) -> t
 
 
 def _solve(rows: list[list[float]], values: list[float]) -> list[float] | None:
-    """The solution of a small square linear system (Gaussian elimination, largest pivot
-    first), or None when it has no single one."""
-    a = [row + [value] for row, value in zip(rows, values)]
-    n = len(a)
-    for col in range(n):
-        pivot = max(range(col, n), key=lambda r: abs(a[r][col]))
-        if abs(a[pivot][col]) < 1e-9 * max(1.0, max(abs(x) for x in a[pivot][:n])):
-            return None
-        a[col], a[pivot] = a[pivot], a[col]
-        for r in range(n):
-            if r != col:
-                factor = a[r][col] / a[col][col]
-                a[r] = [x - factor * y for x, y in zip(a[r], a[col])]
-    return [a[i][n] / a[i][i] for i in range(n)]
+    """The solution of a small square linear system, or None when it has no single one (two
+    sets that weigh everything alike)."""
+    try:
+        return torch.linalg.solve(torch.tensor(rows, dtype=torch.float64),
+                                  torch.tensor(values, dtype=torch.float64)).tolist()
+    except torch.linalg.LinAlgError:
+        return None
 
 
 def as_written_step_ms(workload: Workload, step_ms: float, steps: int) -> float | None:

@@ -155,7 +155,7 @@ def build_model(
         return cp, v
     costs = step_costs(model)
     cp.minimize(
-        _any_segment(cp, v) * costs.first_frame
+        (_any_segment(cp, v) * costs.first_frame if costs.first_frame else 0)
         + sum(costs.seg[c] * v.seg[c] for c in v.seg)
         + sum(costs.policy[c] * v.policy[c] for c in v.policy)
         - sum(costs.keep_saving[k] * v.keep[k] for k in v.keep)
@@ -166,7 +166,8 @@ def build_model(
 
 
 def _any_segment(cp: cp_model.CpModel, v: Variables) -> cp_model.IntVar:
-    """True when a segment is chosen (minimising keeps it false otherwise)."""
+    """True when a segment is chosen (minimising keeps it false otherwise). Only profiles that
+    price the once-cost get it: older ones, and those whose steps were too slow to pair, say 0."""
     chosen = cp.new_bool_var("any segment")
     for seg in v.seg.values():
         cp.add_implication(seg, chosen)

@@ -227,8 +227,8 @@ def analysis(result: dict[str, Any]) -> list[str]:
         lines.append("- the prediction counts the wall time of the forward code a recompute re-runs (each module call "
                      "timed in plain steps), the checkpoint machinery priced by `monet profile` (a frame, a re-run op's "
                      "extra and the selective policy timed in the model's own step where steps are short) and, at "
-                     "monet's points, "
-                     "running in-place activations out of place (the overhead is taken against the model as written); "
+                     "monet's points, running in-place activations out of place (the overhead is taken against the "
+                     "model as written); "
                      "where the rest goes: \"Where a checkpointed step's added time goes\" below")
     noise = spread(base.get("step_ms_all") or [])
     if noise is not None:

@@ -201,31 +201,46 @@ def test_a_model_whose_module_calls_change_between_steps_is_refused():
 
 
 def test_a_recompute_costs_the_wall_time_of_the_code_it_re_runs(resnet18_profile):
-    """A whole call's recompute costs its forward's wall time; a stretch of a call (an op range,
-    a chain, an early stop) its ops' timed sum scaled as the call's; a kept op saves its share."""
+    """A whole call's recompute costs its forward's wall time. A stretch of a call (an op range,
+    a chain) runs that call's calls as calls: an op inside one costs its timed time scaled as
+    that call's wall over its ops' timed sum, an own op scaled as the parent's. A kept op
+    saves its share."""
     from dataclasses import replace
 
     from monet_cli.core.segments import SegmentModel
 
     model = SegmentModel(replace(resnet18_profile, overheads=replace(resnet18_profile.overheads, python_op_ms=0.0)))
     ops, calls = resnet18_profile.ops, resnet18_profile.calls
-    checked = {"whole": 0, "stretch": 0}
+
+    def scale(call):
+        return calls[call].time_ms / sum(op.time_ms for op in ops[calls[call].first_op:calls[call].end_op])
+
+    def scale_in(parent, op):
+        inside = [c.index for c in calls if c.parent == parent and c.first_op <= op < c.end_op]
+        return scale(inside[0] if inside else parent)
+
+    checked = {"whole": 0, "stretch": 0, "whole stopped early": 0}
     for call, seg in model.segments.items():
         if seg.burst_pos is None:
             continue
-        runs_in = model.calls[call].parent if call in model.members or call in model.ranges else call
-        scale = calls[runs_in].time_ms / sum(op.time_ms for op in ops[calls[runs_in].first_op:calls[runs_in].end_op])
-        assert model.code_scale[runs_in] == pytest.approx(scale)
-        if runs_in == call and seg.stop == seg.end_op:
-            assert model.recompute_ms(call) == pytest.approx(calls[call].time_ms, rel=1e-3), seg.fqn
-            checked["whole"] += 1
-        else:
-            assert model.recompute_ms(call) == pytest.approx(scale * sum(op.time_ms for op in ops[seg.first_op:seg.stop]))
+        if call in model.members or call in model.ranges:
+            parent = model.calls[call].parent
+            op_scale = {i: scale_in(parent, i) for i in range(seg.first_op, seg.stop)}
             checked["stretch"] += 1
+        else:
+            op_scale = {i: scale(call) for i in range(seg.first_op, seg.stop)}
+            if seg.stop == seg.end_op:
+                assert model.recompute_ms(call) == pytest.approx(calls[call].time_ms, rel=1e-3), seg.fqn
+            checked["whole" if seg.stop == seg.end_op else "whole stopped early"] += 1
+        assert model.recompute_ms(call) == pytest.approx(sum(s * ops[i].time_ms for i, s in op_scale.items())), seg.fqn
         for kept in seg.candidates[:1]:
             saved = model.recompute_ms(call) - model.recompute_ms(call, frozenset({kept}))
-            assert saved == pytest.approx(min(1.0, scale) * ops[kept].time_ms)
+            assert saved == pytest.approx(min(1.0, op_scale[kept]) * ops[kept].time_ms)
     assert checked["whole"] >= 8 and checked["stretch"] >= 8, checked
+    stretches = [c for c in model.segments if c in model.ranges and model.segments[c].burst_pos is not None]
+    assert any(len({round(scale_in(model.calls[c].parent, i), 9) for i in range(model.segments[c].first_op,
+                                                                              model.segments[c].stop)}) > 1
+               for c in stretches), "no range runs code at two scales: the test would not tell the rules apart"
 
 
 def test_checkpoint_machinery_is_priced_per_saved_tensor(resnet18_profile):

@@ -39,6 +39,7 @@ from monet_cli.profiler.rehearse import Rehearsal
 from monet_cli.profiler.transfer import measure_transfer
 from monet_cli.profiler.variants import measure_variants
 from monet_cli.runtime.fingerprint import model_modules_hash, warn_if_untested_torch
+from monet_cli.runtime.host_memory import keep_freed_host_memory
 from monet_cli.runtime.meter import measure_peak
 from monet_cli.workload.step import Workload, build_workload, configure_cuda, run_checked
 
@@ -74,6 +75,7 @@ def profile_model(
     may change model state)."""
     warn_if_untested_torch()
     configure_cuda(device)
+    keep_freed_host_memory()  # steps timed without the page faults glibc's history would add
     workload = run_checked(lambda: build_workload(spec, device), "building the workload")
     progress("warm-up step")
     run_checked(lambda: workload.timed_step(), "warm-up step")

@@ -24,6 +24,7 @@ import torch
 from monet_cli.core.schedule import Schedule
 from monet_cli.errors import FingerprintError, ModelError
 from monet_cli.runtime.executor import apply_schedule, machinery
+from monet_cli.runtime.host_memory import keep_freed_host_memory
 from monet_cli.runtime.meter import measure_peak
 from monet_cli.workload.step import Workload, build_workload, configure_cuda, run_checked
 
@@ -228,6 +229,7 @@ def run_apply(
     progress: Callable[[str], None] = lambda label: None, timeline: bool = False,
 ) -> ApplyReport:
     configure_cuda(device)
+    keep_freed_host_memory()  # time the steps as the profile did
     progress("first step (fingerprint check)")
     if check:
         baseline, scheduled, result = _checked_first_steps(schedule, device)

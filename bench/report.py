@@ -263,7 +263,11 @@ def render(results: list[dict[str, Any]], quality: dict[str, Any] | None, scale:
         r0 = results[0]
         out += ["## Machine and versions", "",
                 f"- device: {r0['device']} ({r0['device_name']}), {r0['machine']['cpus']} torch threads, {r0['machine']['platform']}",
-                "- " + ", ".join(f"{k} {v}" for k, v in r0["env"].items()), ""]
+                "- " + ", ".join(f"{k} {v}" for k, v in r0["env"].items())]
+        if r0["machine"].get("host_memory_kept"):
+            out += ["- host memory: glibc's malloc keeps what steps free (no mmap, no trim; set by the profile, as "
+                    "`monet profile` does), so no step re-faults its pages in"]
+        out += [""]
     for result in results:
         name = f"{result['workload']}-{result['device']}"
         drawn = plot(result, img_dir / f"{name}.png")

@@ -42,6 +42,7 @@ from monet_cli.core.segments import SegmentModel  # noqa: E402
 from monet_cli.core.simulate import SimResult, simulate  # noqa: E402
 from monet_cli.core.solver.search import Hint, Planner  # noqa: E402
 from monet_cli.profiler.run import env_info, profile_model  # noqa: E402
+from monet_cli.runtime.host_memory import keep_freed_host_memory  # noqa: E402
 from monet_cli.runtime.meter import measure_peak  # noqa: E402
 from monet_cli.workload.resolve import Overrides, resolve_model_spec  # noqa: E402
 
@@ -252,7 +253,8 @@ def run_workload(w: Workload, device: torch.device, *, repeats: int, fractions: 
         "workload": w.name, "device": device.type, "device_name": profile.device.name,
         "spec": {"model": spec.target, "batch_size": spec.batch_size,
                  "inputs": [list(i.shape) for i in spec.inputs], "optimizer": spec.optimizer.name},
-        "machine": {"cpus": torch.get_num_threads(), "platform": platform.platform(), "python": platform.python_version()},
+        "machine": {"cpus": torch.get_num_threads(), "platform": platform.platform(), "python": platform.python_version(),
+                    "host_memory_kept": keep_freed_host_memory()},  # profile_model set it: this says whether it took
         "env": {k: str(v) for k, v in vars(env_info()).items()} if hasattr(env_info(), "__dict__") else
                {f: str(getattr(env_info(), f)) for f in ("monet", "torch", "torchvision", "ortools", "python")},
         "profile": {"baseline_peak_bytes": profile.baseline.peak_bytes, "step_ms": profile.baseline.step_ms,

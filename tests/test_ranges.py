@@ -229,11 +229,13 @@ def test_an_attention_range_recomputes_the_same_dropout_mask():
                 key=lambda c: model.ranges[c].end_op)
     assert (block.index, early) in model.nest_pairs and (block.index, smallest) not in model.nest_pairs
     _check(profile, {block.index: frozenset(), early: frozenset()}, exact=False, below=8)
-    # The block's recompute runs the range to its end, recording its tape again: priced too.
+    # The block's recompute runs the range to its end, recording its tape again: priced at
+    # the recording's share of the tape's price, which the profile took on a block alone.
     frame = model.frames({block.index: frozenset(), early: frozenset()})[block.index]
     assert frame.stop >= model.ranges[early].end_op and frame.recorded_again == model.ranges[early].own_ops > 0
     costs = profile.overheads
-    machinery = costs.segment_ms + costs.saved_tensor_ms * frame.saves + costs.range_op_ms * frame.recorded_again
+    assert costs.range_record_op_ms is not None and costs.range_record_op_ms <= costs.range_op_ms
+    machinery = costs.segment_ms + costs.saved_tensor_ms * frame.saves + costs.range_record_op_ms * frame.recorded_again
     assert model.overhead_ms(block.index, frame=frame) == pytest.approx(machinery)
 
 
@@ -262,13 +264,14 @@ def test_every_range_replays_under_autocast_within_its_prediction():
 
 def test_an_op_range_is_priced_on_the_model_s_own_code(range_net_profile, monkeypatch):
     """The module with the most own ops among those holding ranges runs alone: its forward, and
-    forward and backward under plain checkpoint and as one range over its forward. Range minus
-    checkpoint, per own op, is the tape's price, in the profile's time: the forward against
-    the call's wall time says how fast the machine runs now (the timings themselves are the
-    benchmarks' business: here they are given). The rest of the profile's prices stay. Where
+    under plain checkpoint and as one range over its forward, the forward alone and forward and
+    backward. Range minus checkpoint, per own op, is the tape's price, and of the forwards
+    alone its recording's, in the profile's time: the forward against the call's wall time
+    says how fast the machine runs now (the timings themselves are the benchmarks' business:
+    here they are given). The rest of the profile's prices stay. Where
     only the model itself holds ranges (range_net) or the module cannot run alone, the generic
     prices stay (with a warning for the second)."""
-    from dataclasses import replace
+    from dataclasses import astuple, replace
 
     from monet_cli.profiler import probe
     from monet_cli.workload.resolve import Overrides, resolve_model_spec
@@ -282,15 +285,20 @@ def test_an_op_range_is_priced_on_the_model_s_own_code(range_net_profile, monkey
                                                                               f"{block}.proj")
     assert probe._probe(SegmentModel(range_net_profile)) is None
     workload = build_workload(spec, CPU)
-    forward_ms, checkpoint_ms, range_ms = probe._timed(workload, found.range)  # the range replays as recorded
-    assert min(forward_ms, checkpoint_ms, range_ms) > 0 and forward_ms < checkpoint_ms
+    times = probe._timed(workload, found.range)  # the range replays as recorded
+    assert min(astuple(times)) > 0 and times.forward_ms < times.checkpoint_ms
+    assert times.checkpoint_forward_ms < times.checkpoint_ms and times.range_forward_ms < times.range_ms
 
     wall = profile.calls[found.call].time_ms
-    # The machine runs twice as slow as in the profile's steps: the difference counts half.
-    monkeypatch.setattr(probe, "_timed", lambda *_args: (2 * wall, 10.0, 10.0 + 2 * 3.0))
+    # The machine runs twice as slow as in the profile's steps: the differences count half.
+    given = probe._Times(forward_ms=2 * wall, checkpoint_forward_ms=4.0, range_forward_ms=4.0 + 2 * 1.0,
+                         checkpoint_ms=10.0, range_ms=10.0 + 2 * 3.0)
+    monkeypatch.setattr(probe, "_timed", lambda *_args: given)
     measured = probe.probe_overheads(workload, profile)
     assert measured.range_op_ms == pytest.approx(3.0 / found.range.own_ops, abs=1e-6)
-    assert measured == replace(profile.overheads, range_op_ms=measured.range_op_ms)
+    assert measured.range_record_op_ms == pytest.approx(1.0 / found.range.own_ops, abs=1e-6)
+    assert measured == replace(profile.overheads, range_op_ms=measured.range_op_ms,
+                               range_record_op_ms=measured.range_record_op_ms)
 
     def fails(*_args):
         raise RuntimeError("needs its parent")

@@ -164,6 +164,12 @@ class Overheads:
     forward and replayed from it in the recompute, in Python. Timed on one of the model's own
     ranges where one qualifies (``profiler/probe.py``), else on a chain of tanh ops.
     Profiles made before it was measured say 0, and price a range as plain checkpoint."""
+    range_record_op_ms: float | None = None
+    """The recording's share of ``range_op_ms``: what a nested range's own ops cost again when
+    an outer segment's recompute runs its forward, which records the tape anew (its replay
+    runs once either way). Timed with ``range_op_ms`` on the model's own range; None where
+    that was not (the chain, and profiles made before it was measured): a range recorded
+    again is then priced at ``range_op_ms``, an upper bound."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -514,12 +514,12 @@ class SegmentModel:
         frame (as ``frame`` when nested), and per op: the selective policy's dispatch modes, in
         forward and recompute, when it keeps ops; for an op range, the tape's recording and
         replay of its own ops (its recorder is off while its calls run), and a nested range's
-        recording again in an outer recompute."""
+        recording again in an outer recompute (``range_record_op_ms``)."""
         seg = self.segments[call_index]
         costs = self.profile.overheads
         saves, recorded_again = (frame.saves, frame.recorded_again) if frame else (len(seg.packs), 0)
-        # A nested range recorded again is priced at a whole record and replay: an upper bound.
-        fixed = costs.segment_ms + costs.saved_tensor_ms * saves + costs.range_op_ms * recorded_again
+        recorded_ms = costs.range_op_ms if costs.range_record_op_ms is None else costs.range_record_op_ms
+        fixed = costs.segment_ms + costs.saved_tensor_ms * saves + recorded_ms * recorded_again
         if seg.range:
             return fixed + costs.range_op_ms * seg.range.own_ops
         return fixed + (costs.policy_op_ms * 2 * (seg.end_op - seg.first_op) if kept else 0.0)

@@ -8,11 +8,14 @@ at 2 to 34 us.
 
 So where the profile offers ranges, the module holding the most own ops among their modules
 is run alone, on copies, on the inputs it gets in the step, interleaved: its forward alone,
-and forward and backward under plain checkpoint and as one op range over its whole forward.
-The forward against the call's wall time in the profile's steps says how fast the machine
-runs now, and the difference is taken in the profile's time: the range minus checkpoint
-(both re-run the same ops under the same frame: the range adds its tape) divided by its own
-ops is the tape's price per own op.
+and under plain checkpoint and as one op range over its whole forward, each the forward
+alone and forward and backward. The forward against the call's wall time in the profile's
+steps says how fast the machine runs now, and the differences are taken in the profile's
+time: the range minus checkpoint (both re-run the same ops under the same frame: the range
+adds its tape) divided by its own ops is the tape's price per own op, and the same of the
+forwards alone its recording's share. A nested range is recorded again in its outer
+segment's recompute: priced at a whole record and replay, tiny_gpt's smallest-peak plan (two
+blocks, each with a range of 39 own ops nested) ran 5 points faster than predicted.
 
 What a recompute's code costs beyond its calls' wall times is timed in the step
 (``in_step.py``): timed here, on a block alone, it came out higher than in the step.
@@ -48,6 +51,18 @@ ROUNDS = 21
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class _Times:
+    """Median ms of the module run alone: its plain forward, and under plain checkpoint and as
+    the range, the forward alone and forward and backward."""
+
+    forward_ms: float
+    checkpoint_forward_ms: float
+    range_forward_ms: float
+    checkpoint_ms: float
+    range_ms: float
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class _Probe:
     call: int
     """The module's call in the profile (a segment candidate)."""
@@ -63,16 +78,22 @@ def probe_overheads(workload: Workload, profile: Profile) -> Overheads:
     if probe is None:
         return profile.overheads
     try:
-        forward_ms, checkpoint_ms, range_ms = _timed(workload, probe.range)
+        times = _timed(workload, probe.range)
     except Exception as err:  # a module that cannot run alone: the model's own step is not at stake
         warnings.warn(f"monet: op ranges keep their generic price: timing '{probe.range.within}' alone failed "
                       f"({type(err).__name__}: {err})", stacklevel=2)
         return profile.overheads
     wall_ms = profile.calls[probe.call].time_ms
-    now = forward_ms / wall_ms if wall_ms else 1.0  # this machine's speed now over the profile's steps'
+    now = times.forward_ms / wall_ms if wall_ms else 1.0  # this machine's speed now over the profile's steps'
+
+    def per_own_op(ms: float) -> float:
+        return round(max(0.0, ms / now / probe.range.own_ops), 6)
+
+    range_op_ms = per_own_op(times.range_ms - times.checkpoint_ms)
     return replace(
         profile.overheads,
-        range_op_ms=round(max(0.0, (range_ms - checkpoint_ms) / now / probe.range.own_ops), 6),
+        range_op_ms=range_op_ms,
+        range_record_op_ms=min(range_op_ms, per_own_op(times.range_forward_ms - times.checkpoint_forward_ms)),
     )
 
 
@@ -96,18 +117,17 @@ def _probe(model: SegmentModel) -> _Probe | None:
     return best[1] if best else None
 
 
-def _timed(workload: Workload, whole: SegmentDecision) -> tuple[float, float, float]:
-    """Median ms of the module's forward alone, and of its forward and backward under
-    checkpoint and as the range."""
+def _timed(workload: Workload, whole: SegmentDecision) -> _Times:
     module = dict(workload.model.named_modules())[whole.within]
     inputs = _inputs_of(workload, module)
     plain, checkpointed, ranged = (copy.deepcopy(module) for _ in range(3))
     inside = dict(ranged.named_modules())
     calls = [inside[path.removeprefix(f"{whole.within}.")] for path in whole.calls]
     RangeSegment(whole, ranged, calls, MachineryMarker()).install()
-    runs = (_forward(plain, inputs), _step(checkpointed, inputs, checkpointed=True), _step(ranged, inputs))
-    rounds = _interleaved(runs, workload)
-    return tuple(statistics.median(column) for column in zip(*rounds))  # type: ignore[return-value]
+    runs = (_forward(plain, inputs), _forward(checkpointed, inputs, checkpointed=True), _forward(ranged, inputs),
+            _step(checkpointed, inputs, checkpointed=True), _step(ranged, inputs))
+    medians = [statistics.median(column) for column in zip(*_interleaved(runs, workload))]
+    return _Times(**dict(zip(_Times.__slots__, medians, strict=True)))
 
 
 def _inputs_of(workload: Workload, module: nn.Module) -> tuple[tuple, dict]:
@@ -133,27 +153,27 @@ def _leaf(value: Any) -> Any:
     return value.detach().clone().requires_grad_(value.is_floating_point())
 
 
-def _forward(module: nn.Module, inputs: tuple[tuple, dict]) -> Callable[[], None]:
+def _forward(module: nn.Module, inputs: tuple[tuple, dict], *, checkpointed: bool = False) -> Callable[[], Any]:
     args, kwargs = inputs
 
-    def run() -> None:
-        module(*args, **kwargs)
+    def run() -> Any:
+        return checkpoint(module, *args, use_reentrant=False, **kwargs) if checkpointed else module(*args, **kwargs)
 
     return run
 
 
 def _step(module: nn.Module, inputs: tuple[tuple, dict], *, checkpointed: bool = False) -> Callable[[], None]:
-    args, kwargs = inputs
+    forward = _forward(module, inputs, checkpointed=checkpointed)
 
     def run() -> None:
-        output = checkpoint(module, *args, use_reentrant=False, **kwargs) if checkpointed else module(*args, **kwargs)
+        output = forward()
         outputs = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
         torch.stack([t.float().sum() for t in outputs]).sum().backward()
 
     return run
 
 
-def _interleaved(runs: tuple[Callable[[], None], ...], workload: Workload) -> list[list[float]]:
+def _interleaved(runs: tuple[Callable[[], Any], ...], workload: Workload) -> list[list[float]]:
     """Each round's ms of every run, one after the other (the first round warms up)."""
     rounds = []
     for repeat in range(ROUNDS + 1):

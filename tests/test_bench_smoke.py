@@ -106,3 +106,17 @@ def test_a_compiled_method_runs_as_the_bench_times_it():
     assert phases == ["backward", "optimizer"]
     (row,) = measure_compiled(spec, torch.device("cpu"), [0.5], 1, baseline(spec, torch.device("cpu")))
     assert "error" not in row and row["step_ms"] > 0 and row["peak_bytes"] > 0
+
+
+def test_the_variants_curve_has_a_point_at_3x_less_activation_memory():
+    """The target is 3x less activation memory at <= 15% overhead: between two 10% steps the
+    curve would not say whether the point itself is met, so it is solved and run too, in
+    order, unless a 10% step lands on it or the solver cannot reach it."""
+    from bench.variants import budgets
+
+    # activations 900 of 1000: a third is 300, so a peak of 400 = 40%: no separate point
+    assert [label for label, _ in budgets(1000, 100, 150)] == ["90%", "80%", "70%", "60%", "50%", "40%", "30%",
+                                                              "20%", "min"]
+    assert budgets(1000, 130, 250) == [("90%", 900), ("80%", 800), ("70%", 700), ("60%", 600), ("50%", 500),
+                                       ("3x", 420), ("40%", 400), ("30%", 300), ("min", 250)]
+    assert budgets(1000, 130, 450)[-2:] == [("50%", 500), ("min", 450)]

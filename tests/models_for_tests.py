@@ -347,3 +347,28 @@ class RangeNet(nn.Module):
 
 def range_net(width: int = 16, num_classes: int = 5, extra: bool = False, island: bool = False) -> nn.Module:
     return RangeNet(width, num_classes, extra, island)
+
+
+class NormAttentionNet(nn.Module):
+    """A LayerNorm, then attention called with its output three times and a keyword (as
+    torchvision's ViT calls it), returning a tuple; then a Linear, a GELU and a Linear, each
+    called with the one before's output alone. Only ``fc..out`` is a chain: the norm does not
+    hand its output to the attention alone, nor the attention a tensor to ``fc``."""
+
+    def __init__(self, width: int = 16, num_classes: int = 5) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.attn = nn.MultiheadAttention(width, 2, batch_first=True)
+        self.fc = nn.Linear(width, width)
+        self.act = nn.GELU()
+        self.out = nn.Linear(width, width)
+        self.head = nn.Linear(width, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.norm(x)
+        y, _ = self.attn(y, y, y, need_weights=False)
+        return self.head(self.out(self.act(self.fc(y))).mean(1))
+
+
+def norm_attention_net(width: int = 16, num_classes: int = 5) -> nn.Module:
+    return NormAttentionNet(width, num_classes)

@@ -53,6 +53,31 @@ def test_a_chain_is_a_run_of_leaf_siblings_passing_one_tensor_along(resnet18_pro
     assert all(handoff.ancestors[c][1] == chain.call for c in (2, 3, 4))
 
 
+def test_a_chain_member_is_called_with_the_one_before_s_output_alone():
+    """vit_b_16's attention takes its LayerNorm's output three times and a keyword, and returns
+    a tuple: a chain over either hand-off would be refused by the executor on its first
+    forward, so none is offered. The calls after it pass one tensor along: a chain, and it
+    runs within its prediction (in backward the step holds 1 KiB less than the simulator
+    says at two ops: the safe side) with the unmodified model's gradients."""
+    profile = profile_model(small_spec("tests.models_for_tests:norm_attention_net", shape=(4, 16), batch_size=4),
+                            CPU, steps=1)
+    model = SegmentModel(profile)
+    chains = _chains(model)
+    assert list(chains) == ["fc..out"]
+    by_name = {call.fqn: call for call in profile.calls}
+    assert not by_name["attn"].hand_off and not by_name["fc"].hand_off
+    assert by_name["act"].hand_off and by_name["out"].hand_off
+    plan = {chains["fc..out"]: frozenset()}
+    schedule = build_schedule(profile, plan, budget_bytes=profile.baseline.peak_bytes * 2, budget_spec="2x",
+                              solver=INFO, profile_sha256="", model=model)
+    report = run_apply(schedule, CPU, steps=1, check=False, timeline=True)
+    predicted = live_series(model, plan)
+    assert len(report.timeline) == len(predicted) and all(m <= p for m, p in zip(report.timeline, predicted))
+    assert report.measured_peak_bytes == schedule.predicted.peak_bytes
+    checked = run_apply(schedule, CPU, steps=2, check=True)
+    assert checked.check.grads_match and checked.check.params_match and checked.check.buffers_match
+
+
 def _check(profile, plan):
     """One step op by op against the simulator; two steps against the unmodified model (the
     second starts from BatchNorm statistics the first updated)."""

@@ -211,6 +211,8 @@ def test_the_cp_model_nests_as_the_simulator_does(resnet50_small):
 
 
 def test_an_attention_range_recomputes_the_same_dropout_mask():
+    from dataclasses import replace
+
     from monet_cli.workload.resolve import Overrides, resolve_model_spec
 
     profile = profile_model(resolve_model_spec("configs/gpt.yaml", Overrides(batch_size=2)), CPU, steps=1)
@@ -237,6 +239,10 @@ def test_an_attention_range_recomputes_the_same_dropout_mask():
     assert costs.range_record_op_ms is not None and costs.range_record_op_ms <= costs.range_op_ms
     machinery = costs.segment_ms + costs.saved_tensor_ms * frame.saves + costs.range_record_op_ms * frame.recorded_again
     assert model.overhead_ms(block.index, frame=frame) == pytest.approx(machinery)
+    # A profile made before the share was measured prices it at a whole record and replay.
+    older = SegmentModel(replace(profile, overheads=replace(costs, range_record_op_ms=None)))
+    upper = costs.segment_ms + costs.saved_tensor_ms * frame.saves + costs.range_op_ms * frame.recorded_again
+    assert older.overhead_ms(block.index, frame=frame) == pytest.approx(upper) > machinery
 
 
 def test_every_range_replays_under_autocast_within_its_prediction():

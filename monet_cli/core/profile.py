@@ -221,6 +221,12 @@ class ModuleCall:
     re-running its forward (as checkpoint's recompute does) repeats it exactly."""
     inputs: tuple[int, ...] = ()
     """Storages of its tensor arguments: checkpoint holds them until its backward is done."""
+    hand_off: bool = False
+    """Called with the tensor its parent's previous call returned, alone (one positional
+    argument, no keyword): it can follow that call in a chain, whose recompute hands each
+    member the one before's output alone. ``inputs`` cannot say it: vit_b_16's attention takes
+    its LayerNorm's output three times and a keyword, and a call returning a tuple hands no
+    tensor on. False in profiles made before it was recorded: they offer no chains."""
     reason: str = ""
     """Why the call is not checkpointable (empty when it is)."""
     time_ms: float | None = None

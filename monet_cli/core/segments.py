@@ -65,8 +65,8 @@ RANGE = "range"
 
 def sibling_chains(profile: Profile) -> list[tuple[ModuleCall, ...]]:
     """Runs of two or more sibling leaf calls (modules with no sub-calls) that their parent
-    makes one after another with no op between them, each taking one tensor made earlier in
-    the run and nothing else, and whose ops' outputs nothing after the next call reads. Runs
+    makes one after another with no op between them, each after the first called with the
+    output of the one before alone, and whose ops' outputs nothing after the next call reads. Runs
     that are all of their parent's forward are left out: the parent is that segment already."""
     calls = profile.calls
     has_children = {c.parent for c in calls}
@@ -103,13 +103,11 @@ def _runs(profile: Profile, children: list[ModuleCall], member: Callable[[Module
 
 def _passes_on(profile: Profile, run: list[ModuleCall], call: ModuleCall) -> bool:
     """Whether ``call`` can follow ``run`` in a chain: it starts where the run's last call
-    ended, its one tensor argument was made in the run, and what the last call made is read
-    by nothing after ``call``."""
+    ended, it was called with that call's output alone (``ModuleCall.hand_off``: the chain's
+    recompute hands it on so, and the executor refuses a forward that does otherwise), and what
+    the last call made is read by nothing after ``call``."""
     last = run[-1]
-    if call.first_op != last.end_op or len(call.inputs) != 1:
-        return False
-    producer = profile.storages[call.inputs[0]].producer
-    if producer is None or not run[0].first_op <= producer < last.end_op:
+    if call.first_op != last.end_op or not call.hand_off:
         return False
     return all(reader < call.end_op for op in profile.ops[last.first_op:last.end_op] for reader in op.consumers)
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import statistics
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -63,6 +64,7 @@ class RawCall:
     first_op: int
     parent: int | None
     inputs: list[int]
+    hand_off: bool
     end_op: int = -1
 
 
@@ -112,6 +114,8 @@ class StepRecorder(LiveStorageMeter):
         self.ops: list[RawOp] = []
         self.calls: list[RawCall] = []
         self.stack: list[int] = []
+        self.returned: dict[int | None, weakref.ref | None] = {}
+        """Per parent call, the tensor its last finished call returned (None: not a tensor)."""
         self.packs: list[RawPack] = []
         self.pending_unpacks: list[int] = []
         self.peak_pos = 0
@@ -193,8 +197,11 @@ class StepRecorder(LiveStorageMeter):
         tensors = [t for t in tree_flatten(args)[0] if isinstance(t, torch.Tensor) and t.device.type != "meta"]
         self.track_unseen_inputs(tensors)
         inputs = sorted({self.sid_of(t) for t in tensors})
-        self.calls.append(
-            RawCall(index=index, fqn=fqn, type=type(module).__name__, first_op=self.pos, parent=parent, inputs=inputs)
+        handed = self.returned.get(parent)
+        hand_off = isinstance(args, tuple) and len(args) == 1 and handed is not None and args[0] is handed()
+        self.calls.append(  # a keyword makes hand_off False: ``_kwargs_hook``
+            RawCall(index=index, fqn=fqn, type=type(module).__name__, first_op=self.pos, parent=parent, inputs=inputs,
+                    hand_off=hand_off)
         )
         self.stack.append(index)
 
@@ -206,6 +213,7 @@ class StepRecorder(LiveStorageMeter):
         call = self.calls[self.stack[-1]]
         if call.fqn != self.workload.module_names.get(id(module)):
             return
+        call.hand_off = False
         tensors = [t for t in tree_flatten(kwargs)[0] if isinstance(t, torch.Tensor) and t.device.type != "meta"]
         self.track_unseen_inputs(tensors)
         call.inputs = sorted(set(call.inputs) | {self.sid_of(t) for t in tensors})
@@ -213,7 +221,10 @@ class StepRecorder(LiveStorageMeter):
     def _post_hook(self, module: torch.nn.Module, args: object, output: object) -> None:
         if self.phase != "forward" or self.finished or not self.stack:
             return
-        self.calls[self.stack.pop()].end_op = self.pos
+        call = self.calls[self.stack.pop()]
+        call.end_op = self.pos
+        # A weak reference: the recorder must not keep an activation alive.
+        self.returned[call.parent] = weakref.ref(output) if isinstance(output, torch.Tensor) else None
 
     # -- autograd ---------------------------------------------------------------------
     def _pack(self, tensor: torch.Tensor) -> _Packed:

@@ -327,7 +327,8 @@ def _call_records(recorder: StepRecorder, reasons: list[str], call_ms: list[floa
     return tuple(
         ModuleCall(
             index=c.index, fqn=c.fqn, type=c.type, first_op=c.first_op, end_op=c.end_op, parent=c.parent,
-            checkpointable=not reasons[c.index], inputs=tuple(c.inputs), reason=reasons[c.index],
+            checkpointable=not reasons[c.index], inputs=tuple(c.inputs), hand_off=c.hand_off,
+            reason=reasons[c.index],
             time_ms=round(call_ms[c.index], 4),
         )
         for c in recorder.calls

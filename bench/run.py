@@ -110,7 +110,7 @@ def _solve_point(planner: Planner, spec: str, budget: int, time_limit: float, wo
     return schedule, {
         "budget_bytes": budget, "predicted_peak_bytes": schedule.predicted.peak_bytes,
         "predicted_overhead": schedule.predicted.overhead,
-        "predicted_overhead_op_sums": op_sum_overhead(planner.model, plan_of(schedule),
+        "predicted_overhead_op_sums": op_sum_overhead(planner.model, plan_of(schedule, planner.model),
                                                       variants_of(schedule, planner.profile)),
         "solve_time_s": outcome.time_s,
         "status": outcome.status, "gap": outcome.gap, "gap_limit": gap, "segments": len(schedule.segments),

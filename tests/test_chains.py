@@ -78,6 +78,25 @@ def test_a_chain_member_is_called_with_the_one_before_s_output_alone():
     assert checked.check.grads_match and checked.check.params_match and checked.check.buffers_match
 
 
+def test_a_schedule_is_refused_against_a_profile_that_offers_other_segments(handoff_profile):
+    """A schedule names its segments by their index among what its profile offered. A profile
+    made before calls recorded their hand-off offers no chains, so its indices name other
+    segments: the schedule's plan is refused in one line, not simulated on the wrong ones."""
+    from dataclasses import replace
+
+    from monet_cli.core.plan import plan_of
+    from monet_cli.errors import UsageError
+
+    model = SegmentModel(handoff_profile)
+    chain = _chains(model)["act..drop"]
+    schedule = build_schedule(handoff_profile, {chain: frozenset()}, budget_bytes=handoff_profile.baseline.peak_bytes,
+                              budget_spec="100%", solver=INFO, profile_sha256="", model=model)
+    assert plan_of(schedule, model) == {chain: frozenset()}
+    older = replace(handoff_profile, calls=tuple(replace(c, hand_off=False) for c in handoff_profile.calls))
+    with pytest.raises(UsageError, match="the profile offers no segment 'act..drop'"):
+        plan_of(schedule, SegmentModel(older))
+
+
 def _check(profile, plan):
     """One step op by op against the simulator; two steps against the unmodified model (the
     second starts from BatchNorm statistics the first updated)."""

@@ -9,6 +9,7 @@ import pytest
 from monet_cli.core.plan import plan_of, variants_of
 from monet_cli.core.profile import load_profile
 from monet_cli.core.schedule import file_sha256, load_schedule
+from monet_cli.core.segments import SegmentModel
 from monet_cli.core.simulate import simulate
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -28,6 +29,7 @@ def test_shipped_schedule_matches_its_profile(path: Path):
     assert schedule.profile_sha256 in profiles, "solved from a profile that is not shipped"
     profile = load_profile(profiles[schedule.profile_sha256])
     assert profile.fingerprint == schedule.fingerprint
-    result = simulate(profile, plan_of(schedule), variants=variants_of(schedule, profile))
+    model = SegmentModel(profile)
+    result = simulate(profile, plan_of(schedule, model), model=model, variants=variants_of(schedule, profile))
     assert result.peak_bytes == schedule.predicted.peak_bytes <= schedule.budget_bytes
     assert schedule.fingerprint.device_type == "cpu"

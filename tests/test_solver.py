@@ -226,7 +226,7 @@ def test_schedule_files_hold_nested_pairs_and_refuse_other_overlaps(two_branch, 
     schedule = build_schedule(profile, plan, budget_bytes=profile.baseline.peak_bytes, budget_spec="100%",
                               solver=info, profile_sha256="", model=model)
     save_schedule(schedule, tmp_path / "nested.yaml")
-    assert plan_of(load_schedule(tmp_path / "nested.yaml")) == plan
+    assert plan_of(load_schedule(tmp_path / "nested.yaml"), model) == plan
 
     outer, inner = schedule.segments
     candidate = model.segments[inner.call].candidates[0]

@@ -118,9 +118,9 @@ def write_measured_timeline(path: Path, schedule, report, profile_path: Path | N
               Series(label=f"schedule {schedule.budget_spec} (measured)", values=report.timeline)]
     found = find_profile(schedule, profile_path)
     if found is not None:
+        model = SegmentModel(found[0])
         series.append(Series(label=f"schedule {schedule.budget_spec} (predicted)",
-                             values=live_series(SegmentModel(found[0]), plan_of(schedule),
-                                                variants_of(schedule, found[0]))))
+                             values=live_series(model, plan_of(schedule, model), variants_of(schedule, found[0]))))
     else:
         stderr.print("note: the schedule's profile is not in configs/ (or --profile): no predicted line")
     write_timeline(path, f"{schedule.model.name}: live memory over one step", series, schedule.budget_bytes)

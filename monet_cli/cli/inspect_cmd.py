@@ -96,6 +96,7 @@ def _variant_row(site: Any, measured: Any | None) -> dict[str, Any]:
 def schedule_report(schedule: Schedule, path: Path, profile: Profile | None) -> dict[str, Any]:
     nested_in = schedule.nested_in()
     model = None if profile is None else SegmentModel(profile)
+    plan = None if model is None else plan_of(schedule, model)
     saved = _saved_ops(schedule, model)
     measured = {} if profile is None else {(v.impl, v.ops): v for v in profile.variants}
     kept = schedule.kept()
@@ -118,7 +119,7 @@ def schedule_report(schedule: Schedule, path: Path, profile: Profile | None) -> 
         "top_memory_at_peak": None,
     }
     if profile is not None:
-        report["top_memory_at_peak"] = top_holders(model, plan_of(schedule), variants_of(schedule, profile))
+        report["top_memory_at_peak"] = top_holders(model, plan, variants_of(schedule, profile))
     return report
 
 
@@ -141,7 +142,7 @@ def timeline(target: Profile | Schedule, profile: Profile | None, out: Path) -> 
     if profile is None:
         raise UsageError("--timeline for a schedule needs its profile: pass --profile PATH")
     model = SegmentModel(profile)
-    plan = plan_of(target)
+    plan = plan_of(target, model)
     series = [
         Series(label="no checkpointing (predicted)", values=live_series(model, {})),
         Series(label=f"schedule {target.budget_spec} (predicted)",
@@ -153,6 +154,7 @@ def timeline(target: Profile | Schedule, profile: Profile | None, out: Path) -> 
 def check_schedule_matches(schedule: Schedule, profile: Profile) -> None:
     if profile.fingerprint != schedule.fingerprint:
         raise UsageError("--profile: that profile was made for another model or shape than the schedule")
-    result = simulate(profile, plan_of(schedule), variants=variants_of(schedule, profile))
+    model = SegmentModel(profile)
+    result = simulate(profile, plan_of(schedule, model), model=model, variants=variants_of(schedule, profile))
     if result.peak_bytes != schedule.predicted.peak_bytes:
         raise UsageError("--profile: that profile does not reproduce the schedule's predicted peak (another run)")

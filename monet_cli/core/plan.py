@@ -73,7 +73,14 @@ def _offload_decision(profile: Profile, record: VariantRecord) -> OffloadDecisio
                            bytes=record.native_saved_bytes, time_ms=record.time_ms)
 
 
-def plan_of(schedule: Schedule) -> Plan:
+def plan_of(schedule: Schedule, model: SegmentModel) -> Plan:
+    """The schedule's segments and what they keep, as ``model``'s call indices. A schedule names
+    each segment by its call index among the segments its profile offered; a profile that
+    offers others (made by another monet) would map them to other segments."""
+    for s in schedule.segments:
+        if s.call not in model.segments or model.segments[s.call].fqn != s.module:
+            raise UsageError(f"the profile offers no segment '{s.module}' where the schedule has it (a profile made "
+                             "by another version of monet? pass the schedule's own profile, or profile again)")
     return schedule.kept()
 
 

@@ -372,3 +372,27 @@ class NormAttentionNet(nn.Module):
 
 def norm_attention_net(width: int = 16, num_classes: int = 5) -> nn.Module:
     return NormAttentionNet(width, num_classes)
+
+
+class _AttentionBlock(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.attn = nn.MultiheadAttention(width, 2, batch_first=True)
+        self.fc = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.norm(x)
+        y, _ = self.attn(y, y, y, need_weights=False)
+        return x + self.fc(y)
+
+
+def attention_block_net(width: int = 16, num_classes: int = 5) -> nn.Module:
+    """Two blocks of a LayerNorm, self-attention (query, key and value one tensor, as in
+    torchvision's ViT) and a Linear, then a head over the mean token."""
+    return nn.Sequential(_AttentionBlock(width), _AttentionBlock(width), _MeanTokens(), nn.Linear(width, num_classes))
+
+
+class _MeanTokens(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.mean(1)

@@ -97,6 +97,21 @@ def test_a_schedule_is_refused_against_a_profile_that_offers_other_segments(hand
         plan_of(schedule, SegmentModel(older))
 
 
+def test_a_nested_segment_recomputes_with_its_arguments_aliased_as_in_the_forward():
+    """Self-attention called with one tensor as query, key and value takes the packed
+    projection; three distinct tensors would take another path, with other saved tensors. A
+    segment nested in another gets its arguments back from the outer frame's saved tensors:
+    one tensor passed three times must come back as one, or the recompute fails checkpoint's
+    metadata check (vit_b_16's smallest-peak schedule did)."""
+    profile = profile_model(small_spec("tests.models_for_tests:attention_block_net", shape=(4, 16), batch_size=4),
+                            CPU, steps=1)
+    model = SegmentModel(profile)
+    by_name = {seg.fqn: c for c, seg in model.segments.items()}
+    plan = {by_name["0"]: frozenset(), by_name["0.attn"]: frozenset()}
+    assert (by_name["0"], by_name["0.attn"]) in model.nest_pairs
+    _check(profile, plan)
+
+
 def _check(profile, plan):
     """One step op by op against the simulator; two steps against the unmodified model (the
     second starts from BatchNorm statistics the first updated)."""

@@ -205,17 +205,27 @@ def _tensors_apart(args: tuple, kwargs: dict) -> tuple[list[torch.Tensor], Calla
     checkpoint saves its positional tensors through autograd's saved-tensor hooks, so a
     segment nested in another one lets the outer segment drop and recompute them; tensors
     in keyword arguments or containers it would hold strongly. The rebuild closes over the
-    arguments with their tensors taken out, so it holds none of them either."""
+    arguments with their tensors taken out, so it holds none of them either. A tensor passed
+    at several places is handed over once and put back at each: the recompute sees the
+    forward's aliasing (self-attention given one tensor as query, key and value takes another
+    path, saving other tensors, than given three)."""
     leaves, spec = tree_flatten((args, kwargs))
-    at = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
-    tensors = [leaves[i] for i in at]
-    for i in at:
-        leaves[i] = None
+    tensors: list[torch.Tensor] = []
+    first: dict[int, int] = {}
+    """``id`` of each tensor -> its place in ``tensors``."""
+    slots: dict[int, int] = {}
+    """Leaf position -> the place in ``tensors`` of the tensor there."""
+    for i, leaf in enumerate(leaves):
+        if isinstance(leaf, torch.Tensor):
+            slots[i] = first.setdefault(id(leaf), len(tensors))
+            if slots[i] == len(tensors):
+                tensors.append(leaf)
+            leaves[i] = None
 
     def rebuild(values: tuple) -> tuple[tuple, dict]:
         filled = list(leaves)
-        for i, value in zip(at, values):
-            filled[i] = value
+        for i, k in slots.items():
+            filled[i] = values[k]
         return tree_unflatten(filled, spec)
 
     return tensors, rebuild

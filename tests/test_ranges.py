@@ -242,7 +242,7 @@ def test_an_attention_range_recomputes_the_same_dropout_mask():
     # A profile made before the share was measured prices it at a whole record and replay.
     older = SegmentModel(replace(profile, overheads=replace(costs, range_record_op_ms=None)))
     upper = costs.segment_ms + costs.saved_tensor_ms * frame.saves + costs.range_op_ms * frame.recorded_again
-    assert older.overhead_ms(block.index, frame=frame) == pytest.approx(upper) > machinery
+    assert older.overhead_ms(block.index, frame=frame) == pytest.approx(upper) and upper > machinery
 
 
 def test_every_range_replays_under_autocast_within_its_prediction():

@@ -31,7 +31,7 @@ from itertools import combinations
 
 from monet_cli.core.offload import with_offload_sites
 from monet_cli.core.profile import ModuleCall, Profile
-from monet_cli.core.ranges import OpRange, op_ranges, packs_inside
+from monet_cli.core.ranges import OpRange, calls_made, op_ranges, packs_inside
 from monet_cli.core.variants import changed_storages, innermost_calls, with_variants
 
 # Ops selective checkpointing never caches (torch.utils.checkpoint.SAC_IGNORED_OPS),
@@ -491,6 +491,10 @@ class SegmentModel:
                 scales[call.index] = call.time_ms / timed
         return scales
 
+    @cached_property
+    def _calls_made(self) -> dict[int, list[ModuleCall]]:
+        return calls_made(self.profile)
+
     def stretch_scales(self, parent: int) -> tuple[float, ...]:
         """Per op of module call ``parent``: the code scale of the call whose code runs it when a
         stretch of ``parent`` (a chain, an op range) is recomputed. The stretch runs ``parent``'s
@@ -500,10 +504,9 @@ class SegmentModel:
         if parent not in self._stretch_scales:
             call = self.profile.calls[parent]
             scales = [self.code_scale[parent]] * (call.end_op - call.first_op)
-            for child in self.profile.calls:
-                if child.parent == parent:
-                    scales[child.first_op - call.first_op:child.end_op - call.first_op] = \
-                        [self.code_scale[child.index]] * (child.end_op - child.first_op)
+            for child in self._calls_made.get(parent, ()):
+                scales[child.first_op - call.first_op:child.end_op - call.first_op] = \
+                    [self.code_scale[child.index]] * (child.end_op - child.first_op)
             self._stretch_scales[parent] = tuple(scales)
         return self._stretch_scales[parent]
 

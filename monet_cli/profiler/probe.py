@@ -126,8 +126,10 @@ def _timed(workload: Workload, whole: SegmentDecision) -> _Times:
     RangeSegment(whole, ranged, calls, MachineryMarker()).install()
     runs = (_forward(plain, inputs), _forward(checkpointed, inputs, checkpointed=True), _forward(ranged, inputs),
             _step(checkpointed, inputs, checkpointed=True), _step(ranged, inputs))
-    medians = [statistics.median(column) for column in zip(*_interleaved(runs, workload))]
-    return _Times(**dict(zip(_Times.__slots__, medians, strict=True)))
+    forward, checkpoint_forward, range_forward, checkpointed_step, range_step = (
+        statistics.median(column) for column in zip(*_interleaved(runs, workload)))
+    return _Times(forward_ms=forward, checkpoint_forward_ms=checkpoint_forward, range_forward_ms=range_forward,
+                  checkpoint_ms=checkpointed_step, range_ms=range_step)
 
 
 def _inputs_of(workload: Workload, module: nn.Module) -> tuple[tuple, dict]:

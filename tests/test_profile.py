@@ -179,14 +179,24 @@ def test_a_recompute_runs_the_forward_code_around_each_op_again(resnet18_profile
 
 def test_module_calls_are_timed_in_the_plain_step_that_gives_the_step_time(resnet18_profile):
     """Every call's forward has a wall time; a call's time holds its sub-calls' (nested spans
-    of one clock), and the model's forward lies inside the step (the fixture times one step,
-    so each median is that step's time)."""
+    of one clock in each timed step, and so in the profile, which takes medians of the time
+    outside sub-calls), and the model's forward lies inside the step."""
     calls = resnet18_profile.calls
     assert all(call.time_ms is not None and call.time_ms > 0 for call in calls)
     for call in calls:
         inside = sum(c.time_ms for c in calls if c.parent == call.index)
         assert call.time_ms >= inside - 1e-3 * (1 + len(calls)), call.fqn  # rounded to 1e-4 ms each
     assert calls[0].parent is None and calls[0].time_ms <= resnet18_profile.baseline.step_ms
+
+
+def test_call_times_nest_when_their_medians_one_by_one_would_not():
+    """Three steps of a call with two sub-calls whose times swap between steps: the medians
+    taken one by one give the sub-calls 7 ms inside a 4 ms call. The profile takes the median
+    of the time outside sub-calls (0.4 ms) and adds the sub-calls' medians."""
+    from monet_cli.profiler.capture import Timings
+
+    timings = Timings(call_ms=[[4.0, 3.5, 0.1], [10.0, 5.0, 4.5], [4.0, 0.1, 3.5]])
+    assert timings.median_call_ms([None, 0, 0]) == pytest.approx([7.4, 3.5, 3.5])
 
 
 def test_a_model_whose_module_calls_change_between_steps_is_refused():

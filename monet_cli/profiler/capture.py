@@ -15,6 +15,7 @@ from __future__ import annotations
 import statistics
 import time
 import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -463,5 +464,23 @@ class Timings:
     def median_op_ms(self) -> list[float]:
         return [statistics.median(column) for column in zip(*self.op_ms)]
 
-    def median_call_ms(self) -> list[float]:
-        return [statistics.median(column) for column in zip(*self.call_ms)]
+    def median_call_ms(self, parents: Sequence[int | None]) -> list[float]:
+        """Each call's wall time, holding its sub-calls' as every timed step's does: the median
+        of the time a call spends outside its sub-calls, plus its sub-calls' times. Medians of
+        nested spans taken one by one need not nest (resnet18: layer3 1.72 ms against its
+        blocks' 1.83), and a stretch of a call is priced from its wall over its parts'."""
+        own = [statistics.median(column) for column in zip(*(_outside_sub_calls(step, parents)
+                                                             for step in self.call_ms))]
+        total = list(own)
+        for call in reversed(range(len(total))):  # a sub-call comes after its parent
+            if parents[call] is not None:
+                total[parents[call]] += total[call]
+        return total
+
+
+def _outside_sub_calls(call_ms: Sequence[float], parents: Sequence[int | None]) -> list[float]:
+    own = list(call_ms)
+    for call, parent in enumerate(parents):
+        if parent is not None:
+            own[parent] -= call_ms[call]
+    return own

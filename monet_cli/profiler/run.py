@@ -216,7 +216,7 @@ def build_profile(
                        workspace_bytes=op.workspace)
             for op in recorder.ops[len(forward):]
         ),
-        calls=_call_records(recorder, reasons, timings.median_call_ms()),
+        calls=_call_records(recorder, reasons, timings.median_call_ms([call.parent for call in recorder.calls])),
         storages=storages,
         packs=tuple(
             PackRecord(storage=p.storage, call=p.call, pos=p.pos, unpack=p.unpack, release=p.release)

@@ -199,6 +199,33 @@ def test_call_times_nest_when_their_medians_one_by_one_would_not():
     assert timings.median_call_ms([None, 0, 0]) == pytest.approx([7.4, 3.5, 3.5])
 
 
+def test_a_profile_warns_when_the_machine_speed_changed_while_it_ran():
+    """The plain step is timed again at the end: as many steps as the profile timed, and a
+    warning when their median is more than ``SPEED_CHANGE`` off the profile's step."""
+    import warnings
+
+    from monet_cli.profiler.run import SPEED_CHANGE, warn_on_speed_change
+
+    class Steps:
+        def __init__(self, ms):
+            self.ms, self.timed = ms, 0
+
+        def timed_step(self):
+            self.timed += 1
+            return self.ms
+
+    slower = Steps(50.0 * SPEED_CHANGE * 1.01)
+    with pytest.warns(UserWarning, match="speed changed while profiling: the plain step took 50.0 ms when timed and 60.6"):
+        warn_on_speed_change(slower, [49.0, 50.0, 70.0])
+    assert slower.timed == 3
+    with pytest.warns(UserWarning, match="took 50.0 ms when timed and 41.3 ms"):
+        warn_on_speed_change(Steps(50.0 / SPEED_CHANGE / 1.01), [50.0])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        warn_on_speed_change(Steps(50.0 * SPEED_CHANGE * 0.99), [50.0])
+        warn_on_speed_change(Steps(50.0 / SPEED_CHANGE * 1.01), [50.0])
+
+
 def test_a_model_whose_module_calls_change_between_steps_is_refused():
     """The calls' wall times are matched to the recorded calls by order: a model making other
     calls in a later step (same ops) is refused in one line rather than priced from the

@@ -5,7 +5,9 @@ from __future__ import annotations
 import datetime as _dt
 import os
 import platform
+import statistics
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import replace
 
@@ -55,6 +57,11 @@ TIMING_BUDGET_S = 3.0
 median of the bench's steps that followed (tiny_gpt: 67.8 ms against 51.0), and every
 in-step price, taken in the profile's step time, moved with it."""
 MAX_STEPS_PER_TICK = 5
+SPEED_CHANGE = 1.2
+"""Plain steps at the end of a profile this many times slower or faster than its timed steps
+are reported: every price is taken at the speed of its own stretch of the profile, and one
+resnet50 profile on this CPU timed its step at 1,997 ms while the bench that followed ran it
+at 1,249."""
 
 
 def _no_progress(label: str) -> None:
@@ -63,7 +70,7 @@ def _no_progress(label: str) -> None:
 
 def profile_steps(steps: int) -> int:
     """How many progress ticks ``profile_model`` reports."""
-    return 10 + 2 * steps
+    return 11 + 2 * steps
 
 
 def profile_model(
@@ -121,7 +128,20 @@ def profile_model(
     profile = replace(profile, overheads=run_checked(lambda: probe_overheads(workload, profile), "timing a module alone"))
     progress("measuring operator variants")
     variants = run_checked(lambda: measure_variants(workload, find_sites(profile)), "measuring operator variants")
+    progress("timing the step again (has the machine's speed changed?)")
+    run_checked(lambda: warn_on_speed_change(workload, timings.step_ms), "timed step")
     return replace(profile, transfer=transfer, variants=variants)
+
+
+def warn_on_speed_change(workload: Workload, step_ms: list[float]) -> None:
+    """Time as many plain steps as ``step_ms`` holds and warn when their median is
+    ``SPEED_CHANGE`` times off the median of ``step_ms`` (the profile's step)."""
+    early = statistics.median(step_ms)
+    late = statistics.median([workload.timed_step() for _ in step_ms])
+    if max(late / early, early / late) > SPEED_CHANGE:
+        warnings.warn(f"monet: this machine's speed changed while profiling: the plain step took {early:.1f} ms "
+                      f"when timed and {late:.1f} ms at the end, and the predicted overheads assume one speed; "
+                      "profile again on a quieter machine before trusting them", stacklevel=2)
 
 
 def steps_per_tick(steps: int, step_ms: float) -> int:

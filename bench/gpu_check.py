@@ -38,9 +38,23 @@ WORKLOADS = {
     # name: (model, batch, per-sample input shape, precision, extra overrides)
     "resnet50": ("resnet50", 64, (3, 224, 224), "bf16-mixed", {}),
     "gpt": ("gpt", None, None, "32", {}),
-    "llama": ("hf:llama", 8, (256,), "bf16-mixed", {
-        "model_kwargs": {"vocab_size": 32000, "hidden_size": 512, "intermediate_size": 1408, "num_hidden_layers": 8,
-                         "num_attention_heads": 8, "num_key_value_heads": 4, "max_position_embeddings": 256}}),
+    "llama": (
+        "hf:llama",
+        8,
+        (256,),
+        "bf16-mixed",
+        {
+            "model_kwargs": {
+                "vocab_size": 32000,
+                "hidden_size": 512,
+                "intermediate_size": 1408,
+                "num_hidden_layers": 8,
+                "num_attention_heads": 8,
+                "num_key_value_heads": 4,
+                "max_position_embeddings": 256,
+            }
+        },
+    ),
 }
 
 
@@ -72,34 +86,54 @@ def run_workload(name: str, device: torch.device) -> dict:
     lowest = planner.minimum_peak(time_limit_s=TIME_LIMIT_S, workers=2, seed=0)
     runs = []
     for label, budget in case_budgets(profile.baseline.peak_bytes, lowest.peak_bytes).items():
-        schedule, outcome = solve_schedule(planner, budget, label, time_limit_s=TIME_LIMIT_S, workers=2, seed=0,
-                                           hint=(lowest.plan, lowest.variants))
+        schedule, outcome = solve_schedule(
+            planner, budget, label, time_limit_s=TIME_LIMIT_S, workers=2, seed=0, hint=(lowest.plan, lowest.variants)
+        )
         report = run_apply(schedule, device, steps=3, check=True)
         check = report.check
-        runs.append({
-            "budget": label, "budget_bytes": budget, "solver_status": outcome.status,
-            "predicted_peak_bytes": report.predicted_peak_bytes, "measured_peak_bytes": report.measured_peak_bytes,
-            "error": report.prediction_error, "within_budget": report.within_budget,
-            "predicted_overhead": schedule.predicted.overhead,
-            "measured_overhead": report.step_ms / report.baseline_step_ms - 1 if report.baseline_step_ms else None,
-            "grads_ok": check.ok, "check": check.describe(), "max_grad_diff": check.max_grad_diff,
-            "offloads": [o.module for o in schedule.offloads],
-        })
+        runs.append(
+            {
+                "budget": label,
+                "budget_bytes": budget,
+                "solver_status": outcome.status,
+                "predicted_peak_bytes": report.predicted_peak_bytes,
+                "measured_peak_bytes": report.measured_peak_bytes,
+                "error": report.prediction_error,
+                "within_budget": report.within_budget,
+                "predicted_overhead": schedule.predicted.overhead,
+                "measured_overhead": report.step_ms / report.baseline_step_ms - 1 if report.baseline_step_ms else None,
+                "grads_ok": check.ok,
+                "check": check.describe(),
+                "max_grad_diff": check.max_grad_diff,
+                "offloads": [o.module for o in schedule.offloads],
+            }
+        )
     return {
-        "workload": name, "model": profile.model.name, "batch_size": profile.model.batch_size,
-        "precision": profile.model.precision, "forward_ops": len(profile.ops), "profile_s": round(profile_s, 1),
-        "baseline_peak_bytes": profile.baseline.peak_bytes, "simulated_baseline_bytes": simulate(profile, {}).peak_bytes,
-        "floor_bytes": lowest.peak_bytes, "op_ms_sum": round(sum(o.time_ms for o in profile.ops)
-                                                            + sum(o.time_ms for o in profile.backward), 2),
+        "workload": name,
+        "model": profile.model.name,
+        "batch_size": profile.model.batch_size,
+        "precision": profile.model.precision,
+        "forward_ops": len(profile.ops),
+        "profile_s": round(profile_s, 1),
+        "baseline_peak_bytes": profile.baseline.peak_bytes,
+        "simulated_baseline_bytes": simulate(profile, {}).peak_bytes,
+        "floor_bytes": lowest.peak_bytes,
+        "op_ms_sum": round(sum(o.time_ms for o in profile.ops) + sum(o.time_ms for o in profile.backward), 2),
         "baseline_step_ms": profile.baseline.step_ms,
         "transfer": None if profile.transfer is None else dataclasses.asdict(profile.transfer),
-        "workspace_ops": sum(1 for o in (*profile.ops, *profile.backward) if o.workspace_bytes), "runs": runs,
+        "workspace_ops": sum(1 for o in (*profile.ops, *profile.backward) if o.workspace_bytes),
+        "runs": runs,
     }
 
 
 def run_gpu_tests() -> dict:
-    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider"],
-                            cwd=ROOT, capture_output=True, text=True, check=False)
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     tail = (result.stdout.strip().splitlines() or [""])[-1]
     return {"returncode": result.returncode, "summary": tail}
 
@@ -132,8 +166,11 @@ def render(summary: dict) -> str:
                 f"{100 * r['predicted_overhead']:+.1f}% / {measured} | {'ok' if r['grads_ok'] else 'DIFFER'}: "
                 f"{r['check']}{_offloaded(r)} |"
             )
-    lines += ["", "| workload | baseline measured | baseline simulated | smallest peak | op times summed / step | ops with workspace |",
-              "|---|---|---|---|---|---|"]
+    lines += [
+        "",
+        "| workload | baseline measured | baseline simulated | smallest peak | op times summed / step | ops with workspace |",
+        "|---|---|---|---|---|---|",
+    ]
     for w in summary["workloads"]:
         if "error" not in w:
             lines.append(
@@ -144,9 +181,12 @@ def render(summary: dict) -> str:
     speeds = [w["transfer"] for w in summary["workloads"] if w.get("transfer")]
     if speeds:  # a property of the machine: every profile measures it, the first one says it
         t = speeds[0]
-        lines += ["", f"Host-device copies (pinned memory, measured by `monet profile`): "
-                      f"{t['to_host_bytes_per_ms'] / 1e6:.1f} GB/s to the host, "
-                      f"{t['to_device_bytes_per_ms'] / 1e6:.1f} GB/s to the device, {1000 * t['fixed_ms']:.0f} us per copy."]
+        lines += [
+            "",
+            f"Host-device copies (pinned memory, measured by `monet profile`): "
+            f"{t['to_host_bytes_per_ms'] / 1e6:.1f} GB/s to the host, "
+            f"{t['to_device_bytes_per_ms'] / 1e6:.1f} GB/s to the device, {1000 * t['fixed_ms']:.0f} us per copy.",
+        ]
     tests = summary.get("gpu_tests")
     lines += ["", f"pytest -m gpu: {tests['summary'] if tests else 'not run'}", ""]
     return "\n".join(lines)
@@ -161,8 +201,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         build = f"a CUDA {torch.version.cuda} build" if torch.version.cuda else "a CPU-only build"
-        print(f"gpu-check: no CUDA GPU visible (torch {torch.__version__}, {build}); nothing measured, nothing written",
-              file=sys.stderr)
+        print(
+            f"gpu-check: no CUDA GPU visible (torch {torch.__version__}, {build}); nothing measured, nothing written",
+            file=sys.stderr,
+        )
         return EXIT_DEVICE
     unknown = sorted(set(args.workloads.split(",")) - set(WORKLOADS))
     if unknown:
@@ -170,8 +212,11 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device("cuda")
     summary = {
         "date": dt.datetime.now(dt.timezone.utc).replace(microsecond=0).isoformat(),
-        "device": torch.cuda.get_device_name(device), "torch": torch.__version__, "cuda": torch.version.cuda,
-        "python": platform.python_version(), "workloads": [],
+        "device": torch.cuda.get_device_name(device),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "python": platform.python_version(),
+        "workloads": [],
     }
     for name in args.workloads.split(","):
         print(f"gpu-check: {name}", file=sys.stderr)
@@ -184,11 +229,15 @@ def main(argv: list[str] | None = None) -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(summary, indent=2) + "\n")
     args.doc.write_text(render(summary))
-    failed = [w["workload"] for w in summary["workloads"]
-              if "error" in w or not all(r["within_budget"] and r["grads_ok"] and abs(r["error"]) <= 0.02
-                                         for r in w["runs"])]
-    print(f"gpu-check: wrote {args.out} and {args.doc}; " + (f"FAILED: {failed}" if failed else "all runs held"),
-          file=sys.stderr)
+    failed = [
+        w["workload"]
+        for w in summary["workloads"]
+        if "error" in w or not all(r["within_budget"] and r["grads_ok"] and abs(r["error"]) <= 0.02 for r in w["runs"])
+    ]
+    print(
+        f"gpu-check: wrote {args.out} and {args.doc}; " + (f"FAILED: {failed}" if failed else "all runs held"),
+        file=sys.stderr,
+    )
     return 1 if failed or (summary["gpu_tests"] and summary["gpu_tests"]["returncode"] not in (0, 5)) else 0
 
 

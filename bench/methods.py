@@ -58,8 +58,12 @@ def checkpoint_every(spec: ModelSpec, device: torch.device, block_types: tuple[s
     for _, block in chosen:
         _checkpoint_forward(block)
     name = "ckpt every block" if k == 1 else f"ckpt every {_ordinal(k)} block"
-    return Method(name=name, kind="pytorch", workload=workload,
-                  info={"blocks": len(blocks), "k": k, "checkpointed": [fqn for fqn, _ in chosen]})
+    return Method(
+        name=name,
+        kind="pytorch",
+        workload=workload,
+        info={"blocks": len(blocks), "k": k, "checkpointed": [fqn for fqn, _ in chosen]},
+    )
 
 
 def monet(spec: ModelSpec, device: torch.device, schedule: Schedule, info: dict[str, Any]) -> Method:
@@ -100,8 +104,13 @@ def compiled(spec: ModelSpec, device: torch.device, budget: float) -> Method:
     workload = build_workload(spec, device, prepare=False)
     runner = CompiledStep(workload, budget)
     workload.step = runner.step  # type: ignore[method-assign]
-    return Method(name=f"compile budget {budget}", kind="compile", workload=workload, meter="profiler-counter",
-                  info={"activation_memory_budget": budget})
+    return Method(
+        name=f"compile budget {budget}",
+        kind="compile",
+        workload=workload,
+        meter="profiler-counter",
+        info={"activation_memory_budget": budget},
+    )
 
 
 def profiler_peak(step: Callable[[], None], workload: Workload) -> int:

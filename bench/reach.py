@@ -58,8 +58,13 @@ REPRODUCTIONS = {
     "gpt2": "tests.models_for_tests:hf_gpt2",
     "llama": "tests.models_for_tests:hf_llama",
 }
-BLOCKS = {"gpt": r"blocks\.\d+", "unet": r"enc\d|bottleneck|dec\d", "resnet50": r"layer\d\.\d+", "gpt2": r"transformer\.h\.\d+",
-          "llama": r"model\.layers\.\d+"}
+BLOCKS = {
+    "gpt": r"blocks\.\d+",
+    "unet": r"enc\d|bottleneck|dec\d",
+    "resnet50": r"layer\d\.\d+",
+    "gpt2": r"transformer\.h\.\d+",
+    "llama": r"model\.layers\.\d+",
+}
 """Module paths of each workload's blocks, for the peak of checkpointing every block."""
 NEAR_PEAK = 0.005
 """A point of the step within this fraction of the floor's peak binds it (``binding_points``)."""
@@ -85,8 +90,13 @@ class ModuleCalls(NestedCalls):
     nest_pairs = ()
 
 
-FAMILIES = (("module calls", ModuleCalls, False), ("+ nesting", NestedCalls, False),
-            ("+ chains", chains, False), ("+ ranges", SegmentModel, False), ("+ variants", SegmentModel, True))
+FAMILIES = (
+    ("module calls", ModuleCalls, False),
+    ("+ nesting", NestedCalls, False),
+    ("+ chains", chains, False),
+    ("+ ranges", SegmentModel, False),
+    ("+ variants", SegmentModel, True),
+)
 
 
 def block_peak(profile: Profile, workload: str) -> int | None:
@@ -125,9 +135,14 @@ def _what_runs(profile: Profile, key: tuple[int, ...]) -> str:
 def spec_of(name: str) -> ModelSpec:
     if name in SHIPPED:
         return load_profile(ROOT / "configs" / f"{name}.profile.yaml").model
-    return resolve_model_spec(REPRODUCTIONS[name], Overrides(
-        batch_size=16, loss="token_cross_entropy", inputs=(InputSpec(shape=(128,), dtype="int64", low=0, high=1000),),
-    ))
+    return resolve_model_spec(
+        REPRODUCTIONS[name],
+        Overrides(
+            batch_size=16,
+            loss="token_cross_entropy",
+            inputs=(InputSpec(shape=(128,), dtype="int64", low=0, high=1000),),
+        ),
+    )
 
 
 def measure(name: str, time_limit_s: float, workers: int) -> dict:
@@ -140,28 +155,65 @@ def measure(name: str, time_limit_s: float, workers: int) -> dict:
         model = segment_model(profile)
         start = time.perf_counter()
         floor = Planner(model, variants=variants).minimum_peak(time_limit_s=time_limit_s, workers=workers, seed=0)
-        floors.append({"family": label, "peak_bytes": floor.peak_bytes, "solve_s": round(time.perf_counter() - start, 2),
-                       "activation_ratio": (base - fixed) / (floor.peak_bytes - fixed)})
-    info = SolverInfo(method="minimum-peak", status="n/a", objective=None, bound=None, gap=None,
-                      time_s=floors[-1]["solve_s"], workers=workers, seed=0, time_limit_s=time_limit_s, ortools="")
-    schedule = build_schedule(profile, floor.plan, budget_bytes=floor.peak_bytes, budget_spec="floor", solver=info,
-                              profile_sha256="", model=model, variants=floor.variants)
+        floors.append(
+            {
+                "family": label,
+                "peak_bytes": floor.peak_bytes,
+                "solve_s": round(time.perf_counter() - start, 2),
+                "activation_ratio": (base - fixed) / (floor.peak_bytes - fixed),
+            }
+        )
+    info = SolverInfo(
+        method="minimum-peak",
+        status="n/a",
+        objective=None,
+        bound=None,
+        gap=None,
+        time_s=floors[-1]["solve_s"],
+        workers=workers,
+        seed=0,
+        time_limit_s=time_limit_s,
+        ortools="",
+    )
+    schedule = build_schedule(
+        profile,
+        floor.plan,
+        budget_bytes=floor.peak_bytes,
+        budget_spec="floor",
+        solver=info,
+        profile_sha256="",
+        model=model,
+        variants=floor.variants,
+    )
     report = run_apply(schedule, CPU, steps=1, check=True)
     measured = report.measured_peak_bytes
     blocks = block_peak(profile, name)
     chains = [s.module for s in schedule.chains]
     ranges = [s.module for s in schedule.ranges]
     return {
-        "workload": name, "model": profile.model.name, "batch_size": profile.model.batch_size,
-        "inputs": [list(i.shape) for i in profile.model.inputs], "profile_s": round(profile_s, 1),
-        "baseline_peak_bytes": base, "fixed_bytes": fixed, "floors": floors, "block_peak_bytes": blocks,
+        "workload": name,
+        "model": profile.model.name,
+        "batch_size": profile.model.batch_size,
+        "inputs": [list(i.shape) for i in profile.model.inputs],
+        "profile_s": round(profile_s, 1),
+        "baseline_peak_bytes": base,
+        "fixed_bytes": fixed,
+        "floors": floors,
+        "block_peak_bytes": blocks,
         "floor_binding_points": binding_points(model, floor.plan, floor.variants),
-        "floor_segments": len(schedule.segments), "floor_chains": chains, "floor_ranges": ranges, "floor_variants": len(schedule.variants),
-        "measured_peak_bytes": measured, "error": (floor.peak_bytes - measured) / measured,
-        "within_budget": measured <= floor.peak_bytes, "check_ok": report.check.ok,
-        "check_mode": report.check.mode, "max_relative_diff": report.check.max_relative_diff,
+        "floor_segments": len(schedule.segments),
+        "floor_chains": chains,
+        "floor_ranges": ranges,
+        "floor_variants": len(schedule.variants),
+        "measured_peak_bytes": measured,
+        "error": (floor.peak_bytes - measured) / measured,
+        "within_budget": measured <= floor.peak_bytes,
+        "check_ok": report.check.ok,
+        "check_mode": report.check.mode,
+        "max_relative_diff": report.check.max_relative_diff,
         "predicted_overhead": schedule.predicted.overhead,
-        "activation_ratio": (base - fixed) / (measured - fixed), "baseline_fraction": measured / base,
+        "activation_ratio": (base - fixed) / (measured - fixed),
+        "baseline_fraction": measured / base,
         "below_blocks": None if blocks is None else blocks / measured,
     }
 

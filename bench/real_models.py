@@ -39,35 +39,106 @@ TOKENS = 32
 """Sequence length of the language models."""
 
 _DECODER = {"vocab_size": 256, "max_position_embeddings": 64}
-_LLAMA_LIKE = {**_DECODER, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-               "num_attention_heads": 4, "num_key_value_heads": 2}
+_LLAMA_LIKE = {
+    **_DECODER,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+}
 
 # name -> (MODEL as a user types it, config fields, batch size, per-sample input shape or None)
 CASES: dict[str, tuple[str, dict, int, tuple[int, ...] | None]] = {
     "gpt2": ("hf:gpt2", {"vocab_size": 256, "n_positions": 64, "n_embd": 64, "n_layer": 2, "n_head": 4}, 4, (TOKENS,)),
     "llama": ("hf:llama", _LLAMA_LIKE, 4, (TOKENS,)),
     "qwen2": ("hf:qwen2", _LLAMA_LIKE, 4, (TOKENS,)),
-    "gpt_neox": ("hf:gpt_neox", {**_DECODER, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-                                 "num_attention_heads": 4}, 4, (TOKENS,)),
-    "opt": ("hf:opt", {**_DECODER, "hidden_size": 64, "ffn_dim": 128, "num_hidden_layers": 2,
-                       "num_attention_heads": 4, "word_embed_proj_dim": 64}, 4, (TOKENS,)),
+    "gpt_neox": (
+        "hf:gpt_neox",
+        {**_DECODER, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4},
+        4,
+        (TOKENS,),
+    ),
+    "opt": (
+        "hf:opt",
+        {
+            **_DECODER,
+            "hidden_size": 64,
+            "ffn_dim": 128,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "word_embed_proj_dim": 64,
+        },
+        4,
+        (TOKENS,),
+    ),
     "bloom": ("hf:bloom", {"vocab_size": 256, "hidden_size": 64, "n_layer": 2, "n_head": 4}, 4, (TOKENS,)),
-    "bert": ("hf:BertForSequenceClassification", {"vocab_size": 256, "hidden_size": 64, "num_hidden_layers": 2,
-                                                  "num_attention_heads": 4, "intermediate_size": 128,
-                                                  "max_position_embeddings": 64}, 4, (TOKENS,)),
-    "t5": ("hf:t5", {"vocab_size": 256, "d_model": 64, "d_kv": 16, "d_ff": 128, "num_layers": 2,
-                     "num_decoder_layers": 2, "num_heads": 4}, 4, (TOKENS,)),
-    "bart": ("hf:bart", {"vocab_size": 256, "d_model": 64, "encoder_layers": 2, "decoder_layers": 2,
-                         "encoder_attention_heads": 4, "decoder_attention_heads": 4, "encoder_ffn_dim": 128,
-                         "decoder_ffn_dim": 128, "max_position_embeddings": 64}, 4, (TOKENS,)),
-    "hf_vit": ("hf:ViTForImageClassification", {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
-                                                "intermediate_size": 128, "image_size": 32, "patch_size": 4,
-                                                "num_labels": 10}, 4, None),
+    "bert": (
+        "hf:BertForSequenceClassification",
+        {
+            "vocab_size": 256,
+            "hidden_size": 64,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "intermediate_size": 128,
+            "max_position_embeddings": 64,
+        },
+        4,
+        (TOKENS,),
+    ),
+    "t5": (
+        "hf:t5",
+        {
+            "vocab_size": 256,
+            "d_model": 64,
+            "d_kv": 16,
+            "d_ff": 128,
+            "num_layers": 2,
+            "num_decoder_layers": 2,
+            "num_heads": 4,
+        },
+        4,
+        (TOKENS,),
+    ),
+    "bart": (
+        "hf:bart",
+        {
+            "vocab_size": 256,
+            "d_model": 64,
+            "encoder_layers": 2,
+            "decoder_layers": 2,
+            "encoder_attention_heads": 4,
+            "decoder_attention_heads": 4,
+            "encoder_ffn_dim": 128,
+            "decoder_ffn_dim": 128,
+            "max_position_embeddings": 64,
+        },
+        4,
+        (TOKENS,),
+    ),
+    "hf_vit": (
+        "hf:ViTForImageClassification",
+        {
+            "hidden_size": 64,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "intermediate_size": 128,
+            "image_size": 32,
+            "patch_size": 4,
+            "num_labels": 10,
+        },
+        4,
+        None,
+    ),
     "convnext_atto": ("timm:convnext_atto", {"num_classes": 10}, 8, (3, 64, 64)),
     "efficientnet_b0": ("timm:efficientnet_b0", {"num_classes": 10}, 8, (3, 64, 64)),
     "mobilenetv3": ("timm:mobilenetv3_small_050", {"num_classes": 10}, 8, (3, 64, 64)),
-    "vit_small": ("timm:vit_small_patch16_224", {"num_classes": 10, "depth": 2, "embed_dim": 96, "num_heads": 3,
-                                                "patch_size": 8}, 8, (3, 64, 64)),
+    "vit_small": (
+        "timm:vit_small_patch16_224",
+        {"num_classes": 10, "depth": 2, "embed_dim": 96, "num_heads": 3, "patch_size": 8},
+        8,
+        (3, 64, 64),
+    ),
     "mobilenet_v2": ("mobilenet_v2", {"num_classes": 10, "width_mult": 0.5}, 8, (3, 64, 64)),
 }
 
@@ -77,32 +148,114 @@ CASES: dict[str, tuple[str, dict, int, tuple[int, ...] | None]] = {
 HELD_OUT: dict[str, tuple[str, dict, int, tuple[int, ...] | None]] = {
     "mistral": ("hf:mistral", {**_LLAMA_LIKE}, 4, (TOKENS,)),
     "gemma": ("hf:gemma", {**_LLAMA_LIKE, "head_dim": 16}, 4, (TOKENS,)),
-    "phi": ("hf:phi", {**_DECODER, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-                       "num_attention_heads": 4}, 4, (TOKENS,)),
-    "falcon": ("hf:falcon", {"vocab_size": 256, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4},
-               4, (TOKENS,)),
-    "gptj": ("hf:gptj", {"vocab_size": 256, "n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 64,
-                         "rotary_dim": 8}, 4, (TOKENS,)),
+    "phi": (
+        "hf:phi",
+        {**_DECODER, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4},
+        4,
+        (TOKENS,),
+    ),
+    "falcon": (
+        "hf:falcon",
+        {"vocab_size": 256, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4},
+        4,
+        (TOKENS,),
+    ),
+    "gptj": (
+        "hf:gptj",
+        {"vocab_size": 256, "n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 64, "rotary_dim": 8},
+        4,
+        (TOKENS,),
+    ),
     "mixtral": ("hf:mixtral", {**_LLAMA_LIKE, "num_local_experts": 4, "num_experts_per_tok": 2}, 4, (TOKENS,)),
-    "distilbert": ("hf:DistilBertForSequenceClassification", {"vocab_size": 256, "dim": 64, "n_layers": 2, "n_heads": 4,
-                                                             "hidden_dim": 128, "max_position_embeddings": 64},
-                   4, (TOKENS,)),
-    "roberta": ("hf:roberta", {**_DECODER, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-                               "num_attention_heads": 4, "max_position_embeddings": 80}, 4, (TOKENS,)),
-    "albert": ("hf:albert", {"vocab_size": 256, "embedding_size": 32, "hidden_size": 64, "num_hidden_layers": 2,
-                             "num_attention_heads": 4, "intermediate_size": 128}, 4, (TOKENS,)),
-    "electra": ("hf:electra", {**_DECODER, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-                               "num_attention_heads": 4, "embedding_size": 32}, 4, (TOKENS,)),
-    "mbart": ("hf:mbart", {"vocab_size": 256, "d_model": 64, "encoder_layers": 2, "decoder_layers": 2,
-                           "encoder_attention_heads": 4, "decoder_attention_heads": 4, "encoder_ffn_dim": 128,
-                           "decoder_ffn_dim": 128, "max_position_embeddings": 64}, 4, (TOKENS,)),
-    "pegasus": ("hf:pegasus", {"vocab_size": 256, "d_model": 64, "encoder_layers": 2, "decoder_layers": 2,
-                               "encoder_attention_heads": 4, "decoder_attention_heads": 4, "encoder_ffn_dim": 128,
-                               "decoder_ffn_dim": 128, "max_position_embeddings": 64}, 4, (TOKENS,)),
-    "hf_resnet": ("hf:ResNetForImageClassification", {"embedding_size": 16, "hidden_sizes": [16, 32, 64, 128],
-                                                      "depths": [1, 1, 1, 1], "num_labels": 10}, 4, (3, 64, 64)),
-    "swin": ("timm:swin_tiny_patch4_window7_224", {"num_classes": 10, "depths": (1, 1, 1, 1), "embed_dim": 24,
-                                                   "num_heads": (1, 1, 2, 2), "img_size": 112}, 4, (3, 112, 112)),
+    "distilbert": (
+        "hf:DistilBertForSequenceClassification",
+        {"vocab_size": 256, "dim": 64, "n_layers": 2, "n_heads": 4, "hidden_dim": 128, "max_position_embeddings": 64},
+        4,
+        (TOKENS,),
+    ),
+    "roberta": (
+        "hf:roberta",
+        {
+            **_DECODER,
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "max_position_embeddings": 80,
+        },
+        4,
+        (TOKENS,),
+    ),
+    "albert": (
+        "hf:albert",
+        {
+            "vocab_size": 256,
+            "embedding_size": 32,
+            "hidden_size": 64,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "intermediate_size": 128,
+        },
+        4,
+        (TOKENS,),
+    ),
+    "electra": (
+        "hf:electra",
+        {
+            **_DECODER,
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "embedding_size": 32,
+        },
+        4,
+        (TOKENS,),
+    ),
+    "mbart": (
+        "hf:mbart",
+        {
+            "vocab_size": 256,
+            "d_model": 64,
+            "encoder_layers": 2,
+            "decoder_layers": 2,
+            "encoder_attention_heads": 4,
+            "decoder_attention_heads": 4,
+            "encoder_ffn_dim": 128,
+            "decoder_ffn_dim": 128,
+            "max_position_embeddings": 64,
+        },
+        4,
+        (TOKENS,),
+    ),
+    "pegasus": (
+        "hf:pegasus",
+        {
+            "vocab_size": 256,
+            "d_model": 64,
+            "encoder_layers": 2,
+            "decoder_layers": 2,
+            "encoder_attention_heads": 4,
+            "decoder_attention_heads": 4,
+            "encoder_ffn_dim": 128,
+            "decoder_ffn_dim": 128,
+            "max_position_embeddings": 64,
+        },
+        4,
+        (TOKENS,),
+    ),
+    "hf_resnet": (
+        "hf:ResNetForImageClassification",
+        {"embedding_size": 16, "hidden_sizes": [16, 32, 64, 128], "depths": [1, 1, 1, 1], "num_labels": 10},
+        4,
+        (3, 64, 64),
+    ),
+    "swin": (
+        "timm:swin_tiny_patch4_window7_224",
+        {"num_classes": 10, "depths": (1, 1, 1, 1), "embed_dim": 24, "num_heads": (1, 1, 2, 2), "img_size": 112},
+        4,
+        (3, 112, 112),
+    ),
 }
 
 
@@ -150,8 +303,9 @@ def run_case(spec: ModelSpec, *, time_limit_s: float = 10.0) -> CaseResult:
     runs = []
     for label, budget in case_budgets(profile.baseline.peak_bytes, floor).items():
         # The smallest peak's plan fits every budget: a schedule exists however slow the machine.
-        schedule, _ = solve_schedule(planner, budget, label, time_limit_s=time_limit_s, workers=1, seed=0,
-                                     hint=(lowest.plan, lowest.variants))
+        schedule, _ = solve_schedule(
+            planner, budget, label, time_limit_s=time_limit_s, workers=1, seed=0, hint=(lowest.plan, lowest.variants)
+        )
         if schedule is None:
             raise AssertionError(f"{spec.name}: no schedule at {label} ({budget} B, floor {floor} B)")
         runs.append(CaseRun(label=label, schedule=schedule, report=run_apply(schedule, CPU, steps=1, check=True)))
@@ -165,19 +319,35 @@ def _row(name: str, result: CaseResult, precision: str, seconds: float) -> dict:
     runs = []
     for run in result.runs:
         r = run.report
-        runs.append({
-            "budget": run.label, "budget_bytes": r.budget_bytes, "predicted_peak_bytes": r.predicted_peak_bytes,
-            "measured_peak_bytes": r.measured_peak_bytes, "within_budget": r.within_budget,
-            "error": round((r.predicted_peak_bytes - r.measured_peak_bytes) / r.measured_peak_bytes, 6),
-            "grads_equal": bool(r.check and r.check.ok), "segments": len(run.schedule.segments),
-            "chains": len(run.schedule.chains), "kept_ops": len(run.schedule.keeps),
-        })
+        runs.append(
+            {
+                "budget": run.label,
+                "budget_bytes": r.budget_bytes,
+                "predicted_peak_bytes": r.predicted_peak_bytes,
+                "measured_peak_bytes": r.measured_peak_bytes,
+                "within_budget": r.within_budget,
+                "error": round((r.predicted_peak_bytes - r.measured_peak_bytes) / r.measured_peak_bytes, 6),
+                "grads_equal": bool(r.check and r.check.ok),
+                "segments": len(run.schedule.segments),
+                "chains": len(run.schedule.chains),
+                "kept_ops": len(run.schedule.keeps),
+            }
+        )
     spec = result.profile.model
-    return {"case": name, "held_out": name in HELD_OUT, "model": spec.spec, "target": spec.target, "precision": precision,
-            "batch_size": spec.batch_size, "baseline_peak_bytes": result.profile.baseline.peak_bytes,
-            "floor_bytes": result.floor_bytes, "reach": round(result.reach, 4), "seconds": round(seconds, 1),
-            "not_checkpointable": sum(1 for c in result.profile.calls if c.reason.startswith("re-running")),
-            "runs": runs}
+    return {
+        "case": name,
+        "held_out": name in HELD_OUT,
+        "model": spec.spec,
+        "target": spec.target,
+        "precision": precision,
+        "batch_size": spec.batch_size,
+        "baseline_peak_bytes": result.profile.baseline.peak_bytes,
+        "floor_bytes": result.floor_bytes,
+        "reach": round(result.reach, 4),
+        "seconds": round(seconds, 1),
+        "not_checkpointable": sum(1 for c in result.profile.calls if c.reason.startswith("re-running")),
+        "runs": runs,
+    }
 
 
 _HEADER = [
@@ -201,10 +371,16 @@ def _markdown(rows: list[dict]) -> str:
     ]
     held_out = [row for row in rows if row["held_out"]]
     if held_out:
-        lines += ["", "## Held out: families the tests do not contain", "",
-                  "The same loop on `HELD_OUT` in `bench/real_models.py`, run by this script only: MoE routing",
-                  "(Mixtral), shared layers (ALBERT), windowed attention (Swin), more decoders and encoders.", "",
-                  *_HEADER, *_table_rows(held_out)]
+        lines += [
+            "",
+            "## Held out: families the tests do not contain",
+            "",
+            "The same loop on `HELD_OUT` in `bench/real_models.py`, run by this script only: MoE routing",
+            "(Mixtral), shared layers (ALBERT), windowed attention (Swin), more decoders and encoders.",
+            "",
+            *_HEADER,
+            *_table_rows(held_out),
+        ]
     return "\n".join(lines) + "\n"
 
 
@@ -216,14 +392,16 @@ def _table_rows(rows: list[dict]) -> list[str]:
         f"| {run['predicted_peak_bytes'] / kib:,.0f} KiB "
         f"| {run['measured_peak_bytes'] / kib:,.0f} KiB | {100 * run['error']:+.2f}% "
         f"| {'yes' if run['within_budget'] else 'NO'} | {'yes' if run['grads_equal'] else 'NO'} |"
-        for row in rows for run in row["runs"]
+        for row in rows
+        for run in row["runs"]
     ]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--cases", help="Names from CASES or HELD_OUT. Default: CASES in every precision, "
-                                        "then HELD_OUT in 32.")
+    parser.add_argument(
+        "--cases", help="Names from CASES or HELD_OUT. Default: CASES in every precision, then HELD_OUT in 32."
+    )
     parser.add_argument("--precisions", default="32,bf16-mixed")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "real-models-cpu.json")
     parser.add_argument("--doc", type=Path, default=ROOT / "docs" / "real-models.md")

@@ -1,6 +1,6 @@
 """Turn bench/results/*.json into docs/benchmarks.md and one trade-off plot per workload.
 
-    python bench/report.py
+python bench/report.py
 """
 
 from __future__ import annotations
@@ -97,8 +97,12 @@ def plot(result: dict[str, Any], path: Path) -> bool:
     if drawn is None:
         return False
     fig, ax = drawn
-    styles = {"baseline": ("black", "s"), "pytorch": ("tab:orange", "^"), "compile": ("tab:green", "D"),
-              "monet": ("tab:blue", "o")}
+    styles = {
+        "baseline": ("black", "s"),
+        "pytorch": ("tab:orange", "^"),
+        "compile": ("tab:green", "D"),
+        "monet": ("tab:blue", "o"),
+    }
     for kind, (color, marker) in styles.items():
         pts = [p for p in result["points"] if p.get("kind") == kind and "peak_bytes" in p]
         if not pts:
@@ -125,11 +129,15 @@ def targets(result: dict[str, Any]) -> list[str]:
         if fits:
             fastest = min(fits, key=lambda m: m["step_ms"])
             met = fastest["overhead"] <= p["overhead"]  # compile points have their own baseline's timing
-            lines.append(f"- vs {p['method']} ({mib(p['peak_bytes'])} MiB, {pct(p['overhead'])}): fastest monet at or "
-                         f"below that peak is {fastest['method']} at {pct(fastest['overhead'])}: "
-                         f"{'**met**' if met else '**not met**'} (time)")
+            lines.append(
+                f"- vs {p['method']} ({mib(p['peak_bytes'])} MiB, {pct(p['overhead'])}): fastest monet at or "
+                f"below that peak is {fastest['method']} at {pct(fastest['overhead'])}: "
+                f"{'**met**' if met else '**not met**'} (time)"
+            )
         else:
-            lines.append(f"- vs {p['method']} ({mib(p['peak_bytes'])} MiB): no monet point reaches that peak: **not met**")
+            lines.append(
+                f"- vs {p['method']} ({mib(p['peak_bytes'])} MiB): no monet point reaches that peak: **not met**"
+            )
         same_peak = next((m for m in monet if m["method"] == f"monet at {p['method']}"), None)
         if same_peak is not None:
             # Paired per repeat: a slow spell slows both.
@@ -143,36 +151,50 @@ def targets(result: dict[str, Any]) -> list[str]:
                     verdict += ", inside the noise"
                 if p.get("predicted_overhead") is not None:
                     predicted = 1 - (1 + same_peak["predicted_overhead"]) / (1 + p["predicted_overhead"])
-                    verdict += (f"; the time model predicted {100 * predicted:.1f}% faster ({pct(same_peak['predicted_overhead'])} "
-                                f"against {pct(p['predicted_overhead'])})")
-            lines.append(f"  - solved for that peak: {same_peak['method']} ({mib(same_peak['peak_bytes'])} MiB) is "
-                         f"{100 * abs(faster):.1f}% {'faster' if faster >= 0 else 'slower'}{how}{verdict}")
+                    verdict += (
+                        f"; the time model predicted {100 * predicted:.1f}% faster ({pct(same_peak['predicted_overhead'])} "
+                        f"against {pct(p['predicted_overhead'])})"
+                    )
+            lines.append(
+                f"  - solved for that peak: {same_peak['method']} ({mib(same_peak['peak_bytes'])} MiB) is "
+                f"{100 * abs(faster):.1f}% {'faster' if faster >= 0 else 'slower'}{how}{verdict}"
+            )
         cheaper = [m for m in monet if m["overhead"] <= p["overhead"]]
         if cheaper:
             lowest = min(cheaper, key=lambda m: m["peak_bytes"])
             ratio = p["peak_bytes"] / lowest["peak_bytes"]
-            lines.append(f"  - at equal or lower overhead monet reaches {mib(lowest['peak_bytes'])} MiB "
-                         f"({ratio:.2f}x lower; target 1.2x): {'**met**' if ratio >= 1.2 else '**not met**'}")
+            lines.append(
+                f"  - at equal or lower overhead monet reaches {mib(lowest['peak_bytes'])} MiB "
+                f"({ratio:.2f}x lower; target 1.2x): {'**met**' if ratio >= 1.2 else '**not met**'}"
+            )
     good = [m for m in monet if m["overhead"] <= OVERHEAD_TARGET]
     best = max(good, key=lambda m: m["activation_ratio"], default=None)
     if best is not None:
         met = best["activation_ratio"] >= ACTIVATION_TARGET
-        lines.append(f"- activation memory at <= 15% overhead: best {best['activation_ratio']:.2f}x less "
-                     f"({best['method']}, {pct(best['overhead'])}); target 3x: {'**met**' if met else '**not met**'}")
+        lines.append(
+            f"- activation memory at <= 15% overhead: best {best['activation_ratio']:.2f}x less "
+            f"({best['method']}, {pct(best['overhead'])}); target 3x: {'**met**' if met else '**not met**'}"
+        )
     else:
         lines.append("- activation memory at <= 15% overhead: no monet point within 15% overhead: **not met**")
     lines += time_model_target(monet, baseline_point(result))
     errors = [abs(m["prediction_error"]) for m in monet]
     if errors:
-        lines.append(f"- predicted peak within 2% of measured at every monet point: worst {100 * max(errors):.2f}%: "
-                     f"{'**met**' if max(errors) <= 0.02 else '**not met**'}")
+        lines.append(
+            f"- predicted peak within 2% of measured at every monet point: worst {100 * max(errors):.2f}%: "
+            f"{'**met**' if max(errors) <= 0.02 else '**not met**'}"
+        )
         over = [m["method"] for m in monet if not m["within_budget"]]
-        lines.append(f"- measured never above the budget: {'**met**' if not over else '**not met**: ' + ', '.join(over)}")
+        lines.append(
+            f"- measured never above the budget: {'**met**' if not over else '**not met**: ' + ', '.join(over)}"
+        )
         limit = SOLVE_TARGET_S.get(result["workload"], 60.0)
         slow = [m for m in monet if m["solve_time_s"] > limit or (m.get("gap") or 0) > 0.01]
         longest = max(monet, key=lambda m: m["solve_time_s"])
-        lines.append(f"- solve under {limit:.0f} s to optimum or < 1% gap: longest {longest['solve_time_s']:.2f} s "
-                     f"({longest['method']}): {'**met**' if not slow else '**not met** at ' + ', '.join(m['method'] for m in slow)}")
+        lines.append(
+            f"- solve under {limit:.0f} s to optimum or < 1% gap: longest {longest['solve_time_s']:.2f} s "
+            f"({longest['method']}): {'**met**' if not slow else '**not met** at ' + ', '.join(m['method'] for m in slow)}"
+        )
     return lines
 
 
@@ -187,17 +209,22 @@ def time_model_target(monet: list[dict[str, Any]], base: dict[str, Any]) -> list
         measured, (low, high) = m["overhead"], median_interval(ratios, CONFIDENCE)
         predicted, band = m["predicted_overhead"], TIME_MODEL_POINTS / 100
         shown = f"{m['method']} {pct(measured)} ({pct(low)} to {pct(high)}) against {pct(predicted)}"
-        (met if abs(measured - predicted) <= band else noise if low - band <= predicted <= high + band
-         else missed).append(shown)
+        (
+            met if abs(measured - predicted) <= band else noise if low - band <= predicted <= high + band else missed
+        ).append(shown)
     if not met + noise + missed:
         return []
     verdict = "**met**" if not noise + missed else "**not met**" if missed else "**not met**, inside the noise"
-    lines = [f"- measured overhead within {TIME_MODEL_POINTS:.0f} points of the predicted one at every monet point "
-             f"(paired per repeat with the unmodified step: median, {CONFIDENCE:.0%} interval): {verdict}; "
-             f"within at {len(met)} of {len(met + noise + missed)} points"]
+    lines = [
+        f"- measured overhead within {TIME_MODEL_POINTS:.0f} points of the predicted one at every monet point "
+        f"(paired per repeat with the unmodified step: median, {CONFIDENCE:.0%} interval): {verdict}; "
+        f"within at {len(met)} of {len(met + noise + missed)} points"
+    ]
     if noise:
-        lines.append(f"  - off by more, inside the noise (the prediction lies within the interval widened by "
-                     f"{TIME_MODEL_POINTS:.0f} points): {'; '.join(noise)}")
+        lines.append(
+            f"  - off by more, inside the noise (the prediction lies within the interval widened by "
+            f"{TIME_MODEL_POINTS:.0f} points): {'; '.join(noise)}"
+        )
     if missed:
         lines.append(f"  - off by more, outside the noise: {'; '.join(missed)}")
     return lines
@@ -212,24 +239,36 @@ def analysis(result: dict[str, Any]) -> list[str]:
     timed = [p for p in result["points"] if p.get("predicted_overhead") is not None and "peak_bytes" in p]
     base = baseline_point(result)
     lines = []
-    for kind, label in (("monet", "monet points"), ("pytorch", "the checkpoint-every-k points (simulated as whole-block segments)")):
+    for kind, label in (
+        ("monet", "monet points"),
+        ("pytorch", "the checkpoint-every-k points (simulated as whole-block segments)"),
+    ):
         gaps = [100 * (p["overhead"] - p["predicted_overhead"]) for p in timed if p["kind"] == kind]
         if gaps:
-            lines.append(f"- measured minus predicted overhead at {label}: {min(gaps):+.1f} to {max(gaps):+.1f} points "
-                         f"(mean {sum(gaps) / len(gaps):+.1f}, mean absolute {mean_abs(gaps):.1f})")
-        before = [100 * (p["overhead"] - p["predicted_overhead_op_sums"]) for p in timed
-                  if p["kind"] == kind and "predicted_overhead_op_sums" in p]
+            lines.append(
+                f"- measured minus predicted overhead at {label}: {min(gaps):+.1f} to {max(gaps):+.1f} points "
+                f"(mean {sum(gaps) / len(gaps):+.1f}, mean absolute {mean_abs(gaps):.1f})"
+            )
+        before = [
+            100 * (p["overhead"] - p["predicted_overhead_op_sums"])
+            for p in timed
+            if p["kind"] == kind and "predicted_overhead_op_sums" in p
+        ]
         if before:
-            lines.append(f"  - the same points against the time model that priced a recompute at its ops' timed sum "
-                         f"(before the calls' wall times): {min(before):+.1f} to {max(before):+.1f} points "
-                         f"(mean {sum(before) / len(before):+.1f}, mean absolute {mean_abs(before):.1f})")
+            lines.append(
+                f"  - the same points against the time model that priced a recompute at its ops' timed sum "
+                f"(before the calls' wall times): {min(before):+.1f} to {max(before):+.1f} points "
+                f"(mean {sum(before) / len(before):+.1f}, mean absolute {mean_abs(before):.1f})"
+            )
     if timed:
-        lines.append("- the prediction counts the wall time of the forward code a recompute re-runs (each module call "
-                     "timed in plain steps), the checkpoint machinery priced by `monet profile` (a frame, a re-run op's "
-                     "extra and the selective policy timed in the model's own step where steps are short) and, at "
-                     "monet's points, running in-place activations out of place (the overhead is taken against the "
-                     "model as written); "
-                     "where the rest goes: \"Where a checkpointed step's added time goes\" below")
+        lines.append(
+            "- the prediction counts the wall time of the forward code a recompute re-runs (each module call "
+            "timed in plain steps), the checkpoint machinery priced by `monet profile` (a frame, a re-run op's "
+            "extra and the selective policy timed in the model's own step where steps are short) and, at "
+            "monet's points, running in-place activations out of place (the overhead is taken against the "
+            "model as written); "
+            'where the rest goes: "Where a checkpointed step\'s added time goes" below'
+        )
     noise = spread(base.get("step_ms_all") or [])
     if noise is not None:
         lines.append(f"- timing noise: the unmodified step's own repeats spread over {100 * noise:.1f}% of its median")
@@ -248,37 +287,66 @@ def spread(runs: list[float]) -> float | None:
     return (max(runs) - min(runs)) / statistics.median(runs)
 
 
-def render(results: list[dict[str, Any]], quality: dict[str, Any] | None, scale: dict[str, Any] | None,
-           reach: dict[str, Any] | None, img_dir: Path, variants: list[dict[str, Any]] = (),
-           time_gap: dict[str, Any] | None = None) -> str:
-    out = ["# Benchmarks", "",
-           "Generated by `make bench` (`bench/run.py`, then `bench/report.py`). Every number is measured in one",
-           "process on the machine below: peak memory with monet's live-storage meter (the CUDA allocator on a GPU;",
-           "torch.compile points with the profiler's allocator counter, shifted onto the live-storage scale by the",
-           "eager baseline measured both ways), step time as the median of interleaved repeats after a warm-up,",
-           "overhead as the median over repeats of each step's time over the unmodified step's in the same repeat",
-           "(torch.compile points: the ratio of the medians, against the unmodified step timed in their block).",
-           "\"Activations\" = peak minus parameters, gradients and optimizer state.", ""]
+def render(
+    results: list[dict[str, Any]],
+    quality: dict[str, Any] | None,
+    scale: dict[str, Any] | None,
+    reach: dict[str, Any] | None,
+    img_dir: Path,
+    variants: list[dict[str, Any]] = (),
+    time_gap: dict[str, Any] | None = None,
+) -> str:
+    out = [
+        "# Benchmarks",
+        "",
+        "Generated by `make bench` (`bench/run.py`, then `bench/report.py`). Every number is measured in one",
+        "process on the machine below: peak memory with monet's live-storage meter (the CUDA allocator on a GPU;",
+        "torch.compile points with the profiler's allocator counter, shifted onto the live-storage scale by the",
+        "eager baseline measured both ways), step time as the median of interleaved repeats after a warm-up,",
+        "overhead as the median over repeats of each step's time over the unmodified step's in the same repeat",
+        "(torch.compile points: the ratio of the medians, against the unmodified step timed in their block).",
+        '"Activations" = peak minus parameters, gradients and optimizer state.',
+        "",
+    ]
     if results:
         r0 = results[0]
-        out += ["## Machine and versions", "",
-                f"- device: {r0['device']} ({r0['device_name']}), {r0['machine']['cpus']} torch threads, {r0['machine']['platform']}",
-                "- " + ", ".join(f"{k} {v}" for k, v in r0["env"].items())]
+        out += [
+            "## Machine and versions",
+            "",
+            f"- device: {r0['device']} ({r0['device_name']}), {r0['machine']['cpus']} torch threads, {r0['machine']['platform']}",
+            "- " + ", ".join(f"{k} {v}" for k, v in r0["env"].items()),
+        ]
         if r0["machine"].get("host_memory_kept"):
-            out += ["- host memory: glibc's malloc keeps what steps free (no mmap, no trim; set by the profile, as "
-                    "`monet profile` does), so no step re-faults its pages in"]
+            out += [
+                "- host memory: glibc's malloc keeps what steps free (no mmap, no trim; set by the profile, as "
+                "`monet profile` does), so no step re-faults its pages in"
+            ]
         out += [""]
     for result in results:
         name = f"{result['workload']}-{result['device']}"
         drawn = plot(result, img_dir / f"{name}.png")
         spec = result["spec"]
-        out += [f"## {result['workload']} ({result['device']})", "",
-                f"{spec['model']}, batch {spec['batch_size']}, input {spec['inputs']}, {spec['optimizer']}; "
-                f"{result['profile']['forward_ops']} forward ops, {result['profile']['segments']} candidate segments; "
-                f"parameters + gradients + optimizer state {format_bytes(result['profile']['fixed_bytes'])}; "
-                f"{result['repeats']} repeats; measured {result['created_at']}.", "",
-                points_table(result), "", f"![{name}](img/{name}.png)" if drawn else "(plot needs matplotlib)", "",
-                "Targets:", "", *targets(result), "", "Measured context:", "", *analysis(result), ""]
+        out += [
+            f"## {result['workload']} ({result['device']})",
+            "",
+            f"{spec['model']}, batch {spec['batch_size']}, input {spec['inputs']}, {spec['optimizer']}; "
+            f"{result['profile']['forward_ops']} forward ops, {result['profile']['segments']} candidate segments; "
+            f"parameters + gradients + optimizer state {format_bytes(result['profile']['fixed_bytes'])}; "
+            f"{result['repeats']} repeats; measured {result['created_at']}.",
+            "",
+            points_table(result),
+            "",
+            f"![{name}](img/{name}.png)" if drawn else "(plot needs matplotlib)",
+            "",
+            "Targets:",
+            "",
+            *targets(result),
+            "",
+            "Measured context:",
+            "",
+            *analysis(result),
+            "",
+        ]
     if quality is not None:
         from bench.solver_quality import markdown
 
@@ -290,14 +358,18 @@ def render(results: list[dict[str, Any]], quality: dict[str, Any] | None, scale:
     if time_gap is not None:
         out += ["## Where a checkpointed step's added time goes", "", time_gap_table(time_gap), ""]
     if variants:
-        out += ["## Operator variants against checkpointing alone", "",
-                "`bench/variants.py`: one profile per workload, each budget solved with operator variants (the",
-                "output-keeping BatchNorm and the max-pooling keeping offsets; `monet solve`'s default) and without",
-                "(`--no-variants`), every schedule run and timed interleaved with the unmodified step in one process",
-                "(overhead: the median over repeats of a step over the unmodified step in the same repeat); every",
-                "schedule with variants also gets `apply --check`'s gradient comparison. \"x less",
-                "activations\" = (baseline peak - fixed) / (peak - fixed), fixed = parameters, gradients and optimizer",
-                "state.", ""]
+        out += [
+            "## Operator variants against checkpointing alone",
+            "",
+            "`bench/variants.py`: one profile per workload, each budget solved with operator variants (the",
+            "output-keeping BatchNorm and the max-pooling keeping offsets; `monet solve`'s default) and without",
+            "(`--no-variants`), every schedule run and timed interleaved with the unmodified step in one process",
+            "(overhead: the median over repeats of a step over the unmodified step in the same repeat); every",
+            "schedule with variants also gets `apply --check`'s gradient comparison. \"x less",
+            'activations" = (baseline peak - fixed) / (peak - fixed), fixed = parameters, gradients and optimizer',
+            "state.",
+            "",
+        ]
         for result in variants:
             out += variants_section(result, img_dir)
     return "\n".join(out) + "\n"
@@ -312,28 +384,41 @@ def variants_section(result: dict[str, Any], img_dir: Path) -> list[str]:
     spec = result["spec"]
     sites = result["profile"]["variant_sites"]
     base = baseline_point(result)
-    lines = [f"### {result['workload']} ({result['device']})", "",
-             f"{spec['model']}, batch {spec['batch_size']}, input {spec['inputs']}; baseline peak "
-             f"{mib(base['peak_bytes'])} MiB, step {base['step_ms']:.1f} ms; {len(sites)} variant sites saving "
-             f"{mib(sum(s['saves_bytes'] for s in sites))} MiB together at a measured "
-             f"{sum(s['time_ms'] for s in sites):+.1f} ms per step; {result['repeats']} repeats; measured "
-             f"{result['created_at']}.", "",
-             "| curve | budget | measured MiB | predicted MiB | error | x less activations | overhead | predicted "
-             "overhead | segments | keeps | variants | gradients (largest diff / largest grad) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"### {result['workload']} ({result['device']})",
+        "",
+        f"{spec['model']}, batch {spec['batch_size']}, input {spec['inputs']}; baseline peak "
+        f"{mib(base['peak_bytes'])} MiB, step {base['step_ms']:.1f} ms; {len(sites)} variant sites saving "
+        f"{mib(sum(s['saves_bytes'] for s in sites))} MiB together at a measured "
+        f"{sum(s['time_ms'] for s in sites):+.1f} ms per step; {result['repeats']} repeats; measured "
+        f"{result['created_at']}.",
+        "",
+        "| curve | budget | measured MiB | predicted MiB | error | x less activations | overhead | predicted "
+        "overhead | segments | keeps | variants | gradients (largest diff / largest grad) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for p in result["points"]:
         if p["kind"] == "baseline":
             continue
         check = p.get("check")
-        grads = "bit-exact schedule" if check is None else (
-            f"{'ok' if check['ok'] and check['buffers_match'] else 'FAILED'} ({check['max_relative_diff']:.1e})")
+        grads = (
+            "bit-exact schedule"
+            if check is None
+            else (f"{'ok' if check['ok'] and check['buffers_match'] else 'FAILED'} ({check['max_relative_diff']:.1e})")
+        )
         lines.append(
             f"| {p['curve']} | {p['budget_spec']} | {mib(p['peak_bytes'])} | {mib(p['predicted_peak_bytes'])} | "
             f"{pct(p['prediction_error'])} | {p['activation_ratio']:.2f} | {pct(p['overhead'])} | "
-            f"{pct(p['predicted_overhead'])} | {p['segments']} | {p['kept_ops']} | {p['variants']} | {grads} |")
+            f"{pct(p['predicted_overhead'])} | {p['segments']} | {p['kept_ops']} | {p['variants']} | {grads} |"
+        )
     drawn = _plot_variants(result, img_dir / f"{name}.png")
-    lines += ["", f"![{name}](img/{name}.png)" if drawn else "(plot needs matplotlib)", "", *_variant_findings(result),
-              ""]
+    lines += [
+        "",
+        f"![{name}](img/{name}.png)" if drawn else "(plot needs matplotlib)",
+        "",
+        *_variant_findings(result),
+        "",
+    ]
     return lines
 
 
@@ -346,15 +431,23 @@ def _variant_findings(result: dict[str, Any]) -> list[str]:
     good = [p for p in with_v if p["overhead"] <= OVERHEAD_TARGET]
     best = max(good, key=lambda p: p["activation_ratio"], default=None)
     met = best is not None and best["activation_ratio"] >= 3
-    lines.append("- activation memory at <= 15% measured overhead, with variants: " + (
-        "no point" if best is None else f"{best['activation_ratio']:.2f}x ({best['budget_spec']}, "
-        f"{pct(best['overhead'])})") + f"; target 3x: {'**met**' if met else '**not met**'}")
+    lines.append(
+        "- activation memory at <= 15% measured overhead, with variants: "
+        + (
+            "no point"
+            if best is None
+            else f"{best['activation_ratio']:.2f}x ({best['budget_spec']}, {pct(best['overhead'])})"
+        )
+        + f"; target 3x: {'**met**' if met else '**not met**'}"
+    )
     if not met:
         lines.append("  - " + _reach_reason(result, with_v))
     floor = {c: min((p["peak_bytes"] for p in pts), default=None) for c, pts in curves.items()}
     if floor["variants"] and floor["checkpointing only"]:
-        lines.append(f"- smallest measured peak: {mib(floor['variants'])} MiB with variants, "
-                     f"{mib(floor['checkpointing only'])} MiB without")
+        lines.append(
+            f"- smallest measured peak: {mib(floor['variants'])} MiB with variants, "
+            f"{mib(floor['checkpointing only'])} MiB without"
+        )
     lines.append(_variants_against_checkpointing(with_v, without))
     lines += time_model_target(monet, base)
     errors = [abs(p["prediction_error"]) for p in monet]
@@ -366,8 +459,11 @@ def _variant_findings(result: dict[str, Any]) -> list[str]:
         f"- measured peak never above the budget: {'**met**' if not over else '**not met**: ' + ', '.join(over)}",
         f"- gradients within the stated tolerance and BatchNorm statistics bit-equal at every point with variants: "
         f"{'**met**' if all(c['ok'] and c['buffers_match'] for c in checks) else '**not met**'}"
-        + (f" (largest difference {max(c['max_relative_diff'] for c in checks):.1e} of the largest gradient)"
-           if checks else ""),
+        + (
+            f" (largest difference {max(c['max_relative_diff'] for c in checks):.1e} of the largest gradient)"
+            if checks
+            else ""
+        ),
     ]
     return lines
 
@@ -393,8 +489,10 @@ def _variants_against_checkpointing(with_v: list[dict[str, Any]], without: list[
         verdict = "**met within the noise** (the interval reaches zero): slower at " + "; ".join(noisy)
     else:
         verdict = "**met** at every budget"
-    return ("- the curve with variants at or below checkpointing alone (at each budget, the step with variants "
-            f"over the one without, paired per repeat): {verdict}")
+    return (
+        "- the curve with variants at or below checkpointing alone (at each budget, the step with variants "
+        f"over the one without, paired per repeat): {verdict}"
+    )
 
 
 def _reach_reason(result: dict[str, Any], with_v: list[dict[str, Any]]) -> str:
@@ -404,13 +502,20 @@ def _reach_reason(result: dict[str, Any], with_v: list[dict[str, Any]]) -> str:
     activations = base["peak_bytes"] - result["profile"]["fixed_bytes"]
     saves = sum(s["saves_bytes"] for s in sites)
     floor = min(with_v, key=lambda p: p["peak_bytes"], default=None)
-    at_floor = "" if floor is None else (
-        f"; the lowest point ({mib(floor['peak_bytes'])} MiB) runs {floor['variants']} of them beside "
-        f"{floor['segments']} segments, because a variant never runs with a segment that moves its tensors, and "
-        "the lowest peaks need segments")
-    return (f"why: all {len(sites)} variant sites together keep {mib(saves)} MiB less, "
-            f"{100 * saves / max(1, activations):.0f}% of the {mib(activations)} MiB of activations at the baseline "
-            f"peak{at_floor}")
+    at_floor = (
+        ""
+        if floor is None
+        else (
+            f"; the lowest point ({mib(floor['peak_bytes'])} MiB) runs {floor['variants']} of them beside "
+            f"{floor['segments']} segments, because a variant never runs with a segment that moves its tensors, and "
+            "the lowest peaks need segments"
+        )
+    )
+    return (
+        f"why: all {len(sites)} variant sites together keep {mib(saves)} MiB less, "
+        f"{100 * saves / max(1, activations):.0f}% of the {mib(activations)} MiB of activations at the baseline "
+        f"peak{at_floor}"
+    )
 
 
 def _plot_variants(result: dict[str, Any], path: Path) -> bool:
@@ -422,8 +527,13 @@ def _plot_variants(result: dict[str, Any], path: Path) -> bool:
     ax.plot([base["peak_bytes"] / MIB], [0.0], marker="s", color="black", linestyle="none", label="no checkpointing")
     for curve, color in zip(VARIANT_CURVES, ("tab:blue", "tab:gray")):
         pts = sorted((p for p in result["points"] if p.get("curve") == curve), key=lambda p: p["peak_bytes"])
-        ax.plot([p["peak_bytes"] / MIB for p in pts], [100 * p["overhead"] for p in pts], marker="o", color=color,
-                label=f"monet, {curve}")
+        ax.plot(
+            [p["peak_bytes"] / MIB for p in pts],
+            [100 * p["overhead"] for p in pts],
+            marker="o",
+            color=color,
+            label=f"monet, {curve}",
+        )
     _save(fig, ax, f"{result['workload']} on {result['device']}: operator variants", path)
     return True
 
@@ -439,7 +549,7 @@ def reach_table(reach: dict[str, Any]) -> str:
         "one), chains (one segment over a run of sibling calls, such as a ResNet's stem), op ranges (a stretch of one",
         "module's forward with its own code, such as a residual add; a range may run nested in its module's segment)",
         "and operator variants. The last floor's schedule is run",
-        "against the unmodified model with its own predicted peak as the budget. \"x less activations\" =",
+        'against the unmodified model with its own predicted peak as the budget. "x less activations" =',
         "(baseline peak - fixed) / (peak - fixed), fixed = parameters, gradients and optimizer state. The gpt2 and",
         "llama rows are the real-models issue's reproductions (batch 16 x 128 tokens).",
         "",
@@ -456,8 +566,11 @@ def reach_table(reach: dict[str, Any]) -> str:
             f"| {pct(row['predicted_overhead'])} | {check} ({row['check_mode']}) |"
         )
     lines += ["", "Reach targets (measured floor):", ""]
-    words = {"activation_ratio": "less activation memory", "baseline_fraction": "of the baseline peak",
-             "below_blocks": "below the peak of checkpointing every block (that peak simulated)"}
+    words = {
+        "activation_ratio": "less activation memory",
+        "baseline_fraction": "of the baseline peak",
+        "below_blocks": "below the peak of checkpointing every block (that peak simulated)",
+    }
     for row in reach["rows"]:
         if row["workload"] not in TARGETS:
             continue
@@ -470,9 +583,11 @@ def reach_table(reach: dict[str, Any]) -> str:
         if not met and row.get("floor_binding_points"):
             from bench.reach import NEAR_PEAK
 
-            lines.append(f"  - why: the floor's simulated step comes within {100 * NEAR_PEAK:.1f}% of its peak at "
-                         f"{len(row['floor_binding_points'])} points, and a lower floor must lower every one: "
-                         + "; ".join(row["floor_binding_points"]))
+            lines.append(
+                f"  - why: the floor's simulated step comes within {100 * NEAR_PEAK:.1f}% of its peak at "
+                f"{len(row['floor_binding_points'])} points, and a lower floor must lower every one: "
+                + "; ".join(row["floor_binding_points"])
+            )
     return "\n".join(lines)
 
 
@@ -482,14 +597,14 @@ def time_gap_table(gap: dict[str, Any]) -> str:
         "`bench/time_gap.py`: every block checkpointed (no ops kept), timed interleaved with the unmodified step,",
         "phase by phase; a wrapper times each block's recompute inside backward (no dispatch mode in the way).",
         "Medians, in % of the unmodified step: measured parts of the step measured beside it, the model's parts of",
-        "the step of its own profile (this machine's speed drifts between the two). \"Recompute, model\" is the",
+        'the step of its own profile (this machine\'s speed drifts between the two). "Recompute, model" is the',
         "wall time of the re-run blocks' forwards in the profile's plain steps (and the extra cost per re-run op",
-        "the profile priced: timed on a module alone before 2026-12-04, in the step since); \"machinery, model\"",
+        'the profile priced: timed on a module alone before 2026-12-04, in the step since); "machinery, model"',
         "what `monet profile` prices checkpoint itself",
         "at (a frame timed in the model's own step where steps are short, its saved tensors on a synthetic chain);",
-        "\"forward\" the added forward (checkpoint's frames and packing);",
-        "\"backward rest\" the added backward time outside the recompute (unpacking, the autograd engine).",
-        "\"Page faults\": minor faults per step (memory the OS maps afresh; on this virtual machine each costs",
+        '"forward" the added forward (checkpoint\'s frames and packing);',
+        '"backward rest" the added backward time outside the recompute (unpacking, the autograd engine).',
+        '"Page faults": minor faults per step (memory the OS maps afresh; on this virtual machine each costs',
         "microseconds), unmodified / checkpointed: a lower peak can need fewer, which no time model of ops sees.",
         "",
         "| workload | blocks | re-run ops | unmodified step ms | recompute, measured | recompute, model | forward "
@@ -525,8 +640,10 @@ def _gap_limit_line(rows: list[dict[str, Any]]) -> list[str]:
     limits = {row.get("gap_limit", 0.0) for row in rows}
     if limits == {0.0}:
         return ["Each solve ran until proven optimal or the time limit."]
-    return [f"Each solve stopped once proven within {', '.join(f'{100 * g:g}%' for g in sorted(limits))} of the "
-            "least added time (FEASIBLE with its gap, OPTIMAL where proven), as `monet solve` does by default."]
+    return [
+        f"Each solve stopped once proven within {', '.join(f'{100 * g:g}%' for g in sorted(limits))} of the "
+        "least added time (FEASIBLE with its gap, OPTIMAL where proven), as `monet solve` does by default."
+    ]
 
 
 SCALE_TARGETS = ((32, 30.0), (48, 60.0))
@@ -541,8 +658,10 @@ def _scale_targets(rows: list[dict[str, Any]]) -> list[str]:
             continue
         longest = max(at_depth, key=lambda row: row["solve_total_s"])
         met = all(row["solve_total_s"] <= limit_s and row["gap"] is not None and row["gap"] <= 0.01 for row in at_depth)
-        lines.append(f"- {depth}-layer decoders, solve <= {limit_s:g} s, OPTIMAL or within 1%: longest "
-                     f"{longest['solve_total_s']:.1f} s ({longest['family']}): **{'met' if met else 'not met'}**")
+        lines.append(
+            f"- {depth}-layer decoders, solve <= {limit_s:g} s, OPTIMAL or within 1%: longest "
+            f"{longest['solve_total_s']:.1f} s ({longest['family']}): **{'met' if met else 'not met'}**"
+        )
     return lines
 
 

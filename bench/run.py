@@ -68,8 +68,11 @@ WORKLOADS = {
     "unet": Workload("unet", "unet", Overrides(), ("Sequential",), False, repeats=101),
 }
 SMOKE = Workload(
-    "smoke", "monet_cli.examples.models:skip_concat_net",
-    Overrides(batch_size=4, inputs=(InputSpec(shape=(3, 32, 32)),)), ("Sequential",), False,
+    "smoke",
+    "monet_cli.examples.models:skip_concat_net",
+    Overrides(batch_size=4, inputs=(InputSpec(shape=(3, 32, 32)),)),
+    ("Sequential",),
+    False,
 )
 
 
@@ -77,8 +80,9 @@ def log(message: str) -> None:
     print(f"[bench {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
-def monet_points(planner: Planner, fractions: list[int], at_peaks: list[tuple[str, int]], time_limit: float,
-                 workers: int, gap: float) -> list[tuple[Any, dict]]:
+def monet_points(
+    planner: Planner, fractions: list[int], at_peaks: list[tuple[str, int]], time_limit: float, workers: int, gap: float
+) -> list[tuple[Any, dict]]:
     """Solve each budget (percent of the baseline peak) until one is infeasible, then one budget
     at each of ``at_peaks`` (a method's measured peak: monet against it at equal memory)."""
     profile = planner.profile
@@ -95,25 +99,35 @@ def monet_points(planner: Planner, fractions: list[int], at_peaks: list[tuple[st
                     budgets, hint = [("min", lowest.peak_bytes)], (lowest.plan, lowest.variants)
             continue
         points.append(point)
-    points += [point for spec, budget in at_peaks
-               if (point := _solve_point(planner, spec, budget, time_limit, workers, gap)) is not None]
+    points += [
+        point
+        for spec, budget in at_peaks
+        if (point := _solve_point(planner, spec, budget, time_limit, workers, gap)) is not None
+    ]
     return points
 
 
-def _solve_point(planner: Planner, spec: str, budget: int, time_limit: float, workers: int, gap: float,
-                 hint: Hint | None = None) -> tuple[Any, dict] | None:
-    schedule, outcome = solve_schedule(planner, budget, spec, time_limit_s=time_limit, workers=workers, seed=0,
-                                       relative_gap=gap, hint=hint)
+def _solve_point(
+    planner: Planner, spec: str, budget: int, time_limit: float, workers: int, gap: float, hint: Hint | None = None
+) -> tuple[Any, dict] | None:
+    schedule, outcome = solve_schedule(
+        planner, budget, spec, time_limit_s=time_limit, workers=workers, seed=0, relative_gap=gap, hint=hint
+    )
     log(f"monet {spec}: {outcome.status} in {outcome.time_s:.2f}s")
     if schedule is None:
         return None
     return schedule, {
-        "budget_bytes": budget, "predicted_peak_bytes": schedule.predicted.peak_bytes,
+        "budget_bytes": budget,
+        "predicted_peak_bytes": schedule.predicted.peak_bytes,
         "predicted_overhead": schedule.predicted.overhead,
-        "predicted_overhead_op_sums": op_sum_overhead(planner.model, plan_of(schedule, planner.model),
-                                                      variants_of(schedule, planner.profile)),
+        "predicted_overhead_op_sums": op_sum_overhead(
+            planner.model, plan_of(schedule, planner.model), variants_of(schedule, planner.profile)
+        ),
         "solve_time_s": outcome.time_s,
-        "status": outcome.status, "gap": outcome.gap, "gap_limit": gap, "segments": len(schedule.segments),
+        "status": outcome.status,
+        "gap": outcome.gap,
+        "gap_limit": gap,
+        "segments": len(schedule.segments),
         "kept_ops": len(schedule.keeps),
         "plan": [[s.module, len(schedule.kept_in(s.module))] for s in schedule.segments],
     }
@@ -123,15 +137,21 @@ def simulated(model: SegmentModel, checkpointed: list[str]) -> dict[str, Any]:
     """The simulator's peak and overhead for checkpointing the modules ``checkpointed``, each a
     whole segment with nothing kept: the time model checked on the plans people write by hand."""
     profile = model.profile
-    plan = {seg.call: frozenset() for seg in model.segments.values() if not seg.members and not seg.range
-            and seg.fqn in checkpointed}
+    plan = {
+        seg.call: frozenset()
+        for seg in model.segments.values()
+        if not seg.members and not seg.range and seg.fqn in checkpointed
+    }
     if len(plan) != len(checkpointed):
         raise ValueError(f"{len(checkpointed) - len(plan)} of the checkpointed blocks are not segments of the profile")
     result = simulate(profile, plan, model=model)
     # These methods run the model as written: no preparation to pay, the same step to compare with.
     reference = profile.baseline.reference_step_ms
-    return {"predicted_peak_bytes": result.peak_bytes, "predicted_overhead": result.added_ms / reference,
-            "predicted_overhead_op_sums": _op_sums(model, plan).added_ms / reference}
+    return {
+        "predicted_peak_bytes": result.peak_bytes,
+        "predicted_overhead": result.added_ms / reference,
+        "predicted_overhead_op_sums": _op_sums(model, plan).added_ms / reference,
+    }
 
 
 def op_sum_overhead(model: SegmentModel, plan: dict, variants: frozenset[int] = frozenset()) -> float:
@@ -168,11 +188,17 @@ def measure_eager(methods: list[M.Method], repeats: int) -> dict[str, dict[str, 
     peaks = {m.name: live_peak(m) for m in methods}
     times: dict[str, list[float]] = {m.name: [] for m in methods}
     for r in range(repeats):
-        order = methods[r % len(methods):] + methods[: r % len(methods)]
+        order = methods[r % len(methods) :] + methods[: r % len(methods)]
         for m in order:
             times[m.name].append(m.workload.timed_step(seed=r))
-    return {m.name: {"peak_bytes": peaks[m.name], "step_ms": statistics.median(times[m.name]),
-                     "step_ms_all": [round(t, 3) for t in times[m.name]]} for m in methods}
+    return {
+        m.name: {
+            "peak_bytes": peaks[m.name],
+            "step_ms": statistics.median(times[m.name]),
+            "step_ms_all": [round(t, 3) for t in times[m.name]],
+        }
+        for m in methods
+    }
 
 
 def measure_compiled(spec, device, budgets: list[float], repeats: int, baseline: M.Method) -> list[dict[str, Any]]:
@@ -187,22 +213,44 @@ def measure_compiled(spec, device, budgets: list[float], repeats: int, baseline:
             times = [method.workload.timed_step(seed=r) for r in range(repeats)]
             base_times = [baseline.workload.timed_step(seed=r) for r in range(repeats)]
         except Exception as err:  # report, do not hide: e.g. BatchNorm models fail to partition
-            rows.append({"method": f"compile budget {budget}", "kind": "compile", "error": f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"})
+            rows.append(
+                {
+                    "method": f"compile budget {budget}",
+                    "kind": "compile",
+                    "error": f"{type(err).__name__}: {str(err).splitlines()[0][:200]}",
+                }
+            )
             continue
-        rows.append({
-            "method": method.name, "kind": "compile", "meter": "profiler-counter",
-            "profiler_peak_bytes": raw, "eager_profiler_peak_bytes": eager_profiler,
-            "peak_bytes": raw - eager_profiler + eager_live,
-            "step_ms": statistics.median(times), "baseline_step_ms_same_block": statistics.median(base_times),
-            "info": method.info,
-        })
+        rows.append(
+            {
+                "method": method.name,
+                "kind": "compile",
+                "meter": "profiler-counter",
+                "profiler_peak_bytes": raw,
+                "eager_profiler_peak_bytes": eager_profiler,
+                "peak_bytes": raw - eager_profiler + eager_live,
+                "step_ms": statistics.median(times),
+                "baseline_step_ms_same_block": statistics.median(base_times),
+                "info": method.info,
+            }
+        )
     torch._dynamo.reset()
     return rows
 
 
-def run_workload(w: Workload, device: torch.device, *, repeats: int, fractions: list[int], time_limit: float,
-                 workers: int, gap: float, compile_budgets: list[float], steps: int,
-                 at_block_peaks: bool) -> dict[str, Any]:
+def run_workload(
+    w: Workload,
+    device: torch.device,
+    *,
+    repeats: int,
+    fractions: list[int],
+    time_limit: float,
+    workers: int,
+    gap: float,
+    compile_budgets: list[float],
+    steps: int,
+    at_block_peaks: bool,
+) -> dict[str, Any]:
     spec = resolve_model_spec(w.model, w.overrides, configs_dir=ROOT / "configs")
     log(f"{w.name}: profiling")
     profile = profile_model(spec, device, steps=steps)
@@ -250,17 +298,33 @@ def run_workload(w: Workload, device: torch.device, *, repeats: int, fractions: 
         if "budget_bytes" in row:
             row["within_budget"] = row["peak_bytes"] <= row["budget_bytes"]
     return {
-        "workload": w.name, "device": device.type, "device_name": profile.device.name,
-        "spec": {"model": spec.target, "batch_size": spec.batch_size,
-                 "inputs": [list(i.shape) for i in spec.inputs], "optimizer": spec.optimizer.name},
-        "machine": {"cpus": torch.get_num_threads(), "platform": platform.platform(), "python": platform.python_version(),
-                    "host_memory_kept": keep_freed_host_memory()},  # profile_model set it: this says whether it took
-        "env": {k: str(v) for k, v in vars(env_info()).items()} if hasattr(env_info(), "__dict__") else
-               {f: str(getattr(env_info(), f)) for f in ("monet", "torch", "torchvision", "ortools", "python")},
-        "profile": {"baseline_peak_bytes": profile.baseline.peak_bytes, "step_ms": profile.baseline.step_ms,
-                    "as_written_step_ms": profile.baseline.as_written_step_ms,
-                    "forward_ops": len(profile.ops), "segments": sum(c.checkpointable for c in profile.calls),
-                    "fixed_bytes": fixed, "overheads": dataclasses.asdict(profile.overheads)},
+        "workload": w.name,
+        "device": device.type,
+        "device_name": profile.device.name,
+        "spec": {
+            "model": spec.target,
+            "batch_size": spec.batch_size,
+            "inputs": [list(i.shape) for i in spec.inputs],
+            "optimizer": spec.optimizer.name,
+        },
+        "machine": {
+            "cpus": torch.get_num_threads(),
+            "platform": platform.platform(),
+            "python": platform.python_version(),
+            "host_memory_kept": keep_freed_host_memory(),
+        },  # profile_model set it: this says whether it took
+        "env": {k: str(v) for k, v in vars(env_info()).items()}
+        if hasattr(env_info(), "__dict__")
+        else {f: str(getattr(env_info(), f)) for f in ("monet", "torch", "torchvision", "ortools", "python")},
+        "profile": {
+            "baseline_peak_bytes": profile.baseline.peak_bytes,
+            "step_ms": profile.baseline.step_ms,
+            "as_written_step_ms": profile.baseline.as_written_step_ms,
+            "forward_ops": len(profile.ops),
+            "segments": sum(c.checkpointable for c in profile.calls),
+            "fixed_bytes": fixed,
+            "overheads": dataclasses.asdict(profile.overheads),
+        },
         "repeats": repeats,
         "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "points": points,
@@ -274,8 +338,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=None, help="timed repeats (default: each workload's own)")
     parser.add_argument("--time-limit", type=float, default=60.0)
     parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--gap", type=float, default=0.01,
-                        help="relative gap at which each solve stops (monet solve's default; 0: prove each optimal)")
+    parser.add_argument(
+        "--gap",
+        type=float,
+        default=0.01,
+        help="relative gap at which each solve stops (monet solve's default; 0: prove each optimal)",
+    )
     parser.add_argument("--smoke", action="store_true", help="one tiny workload, one budget (CI)")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     args = parser.parse_args(argv)
@@ -285,13 +353,38 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(max(1, torch.get_num_threads()))
     args.out.mkdir(parents=True, exist_ok=True)
     if args.smoke:
-        jobs = [(SMOKE, dict(repeats=1, fractions=[90], time_limit=10.0, workers=1, gap=args.gap, compile_budgets=[], steps=1,
-                                at_block_peaks=False))]
+        jobs = [
+            (
+                SMOKE,
+                dict(
+                    repeats=1,
+                    fractions=[90],
+                    time_limit=10.0,
+                    workers=1,
+                    gap=args.gap,
+                    compile_budgets=[],
+                    steps=1,
+                    at_block_peaks=False,
+                ),
+            )
+        ]
     else:
-        jobs = [(WORKLOADS[name], dict(repeats=args.repeats or WORKLOADS[name].repeats, fractions=list(range(90, 0, -10)),
-                                        time_limit=args.time_limit, workers=args.workers, gap=args.gap,
-                                        compile_budgets=[0.5, 0.1], steps=3, at_block_peaks=True))
-                for name in args.workloads.split(",")]
+        jobs = [
+            (
+                WORKLOADS[name],
+                dict(
+                    repeats=args.repeats or WORKLOADS[name].repeats,
+                    fractions=list(range(90, 0, -10)),
+                    time_limit=args.time_limit,
+                    workers=args.workers,
+                    gap=args.gap,
+                    compile_budgets=[0.5, 0.1],
+                    steps=3,
+                    at_block_peaks=True,
+                ),
+            )
+            for name in args.workloads.split(",")
+        ]
     for workload, options in jobs:
         write_result(args.out / f"{workload.name}-{device.type}.json", run_workload(workload, device, **options))
     return 0

@@ -33,18 +33,30 @@ from monet_cli.profiler.run import profile_model  # noqa: E402
 from monet_cli.workload.resolve import Overrides, resolve_model_spec  # noqa: E402
 
 FAMILIES = {
-    "llama": ("hf:llama", lambda depth: {"hidden_size": 128, "intermediate_size": 344, "num_hidden_layers": depth,
-                                         "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 1000,
-                                         "max_position_embeddings": 128}),
-    "gpt2": ("hf:gpt2", lambda depth: {"n_embd": 128, "n_layer": depth, "n_head": 4, "vocab_size": 1000,
-                                       "n_positions": 128}),
+    "llama": (
+        "hf:llama",
+        lambda depth: {
+            "hidden_size": 128,
+            "intermediate_size": 344,
+            "num_hidden_layers": depth,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "vocab_size": 1000,
+            "max_position_embeddings": 128,
+        },
+    ),
+    "gpt2": (
+        "hf:gpt2",
+        lambda depth: {"n_embd": 128, "n_layer": depth, "n_head": 4, "vocab_size": 1000, "n_positions": 128},
+    ),
 }
 
 
 def measure(family: str, depth: int, time_limit_s: float, workers: int, relative_gap: float) -> dict:
     model, fields = FAMILIES[family]
-    spec = resolve_model_spec(model, Overrides(batch_size=4, inputs=(InputSpec(shape=(64,)),),
-                                               model_kwargs=fields(depth)))
+    spec = resolve_model_spec(
+        model, Overrides(batch_size=4, inputs=(InputSpec(shape=(64,)),), model_kwargs=fields(depth))
+    )
     start = time.perf_counter()
     profile = profile_model(spec, torch.device("cpu"), steps=1)
     profile_s = time.perf_counter() - start
@@ -55,12 +67,21 @@ def measure(family: str, depth: int, time_limit_s: float, workers: int, relative
     budget = int(0.6 * profile.baseline.peak_bytes)
     outcome = planner.solve(budget, time_limit_s=time_limit_s, workers=workers, seed=0, relative_gap=relative_gap)
     return {
-        "family": family, "depth": depth, "forward_ops": len(profile.ops), "segments": len(segments.segments),
+        "family": family,
+        "depth": depth,
+        "forward_ops": len(profile.ops),
+        "segments": len(segments.segments),
         "keep_candidates": sum(len(s.candidates) for s in segments.segments.values()),
         "nest_pairs": len(segments.nest_pairs),
-        "profile_s": round(profile_s, 2), "planner_setup_s": round(setup_s, 2), "solve_s": round(outcome.time_s, 2),
-        "solve_total_s": round(setup_s + outcome.time_s, 2), "status": outcome.status, "method": outcome.method,
-        "gap": outcome.gap, "gap_limit": relative_gap, "rounds": outcome.rounds,
+        "profile_s": round(profile_s, 2),
+        "planner_setup_s": round(setup_s, 2),
+        "solve_s": round(outcome.time_s, 2),
+        "solve_total_s": round(setup_s + outcome.time_s, 2),
+        "status": outcome.status,
+        "method": outcome.method,
+        "gap": outcome.gap,
+        "gap_limit": relative_gap,
+        "rounds": outcome.rounds,
     }
 
 

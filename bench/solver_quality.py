@@ -138,7 +138,8 @@ def model_shape(factory: str, kwargs: dict[str, Any]) -> dict[str, Any]:
     if hasattr(module, "sources"):
         shape["skips"] = [
             {"block": i, "from_block": s - 1, "join": j}
-            for i, (s, j) in enumerate(zip(module.sources, module.joins)) if s is not None
+            for i, (s, j) in enumerate(zip(module.sources, module.joins))
+            if s is not None
         ]
     return shape
 
@@ -171,24 +172,28 @@ def brute_force_case(case: Case, *, time_limit_s: float, workers: int, log: Call
         solver_us = objective_us(model, costs, outcome.plan) if outcome.plan is not None else None
         fits = outcome.result is not None and outcome.result.peak_bytes <= budget
         match = solver_ms is not None and abs(solver_ms - best_ms) <= TOL_MS and outcome.status == "OPTIMAL" and fits
-        rows.append({
-            "budget_bytes": budget,
-            "budget_frac": round((budget - lowest) / (highest - lowest), 3) if highest > lowest else 0.0,
-            "plans_fitting": len(fitting),
-            "bruteforce_ms": round(best_ms, 4),
-            "solver_ms": None if solver_ms is None else round(solver_ms, 4),
-            "bruteforce_objective_us": best_us,
-            "solver_objective_us": solver_us,
-            "status": outcome.status,
-            "method": outcome.method,
-            "rounds": outcome.rounds,
-            "solve_s": outcome.time_s,
-            "fits": fits,
-            "match": match,
-            "exact_match": solver_us == best_us and outcome.status == "OPTIMAL" and fits,
-        })
-        log(f"  {case.name} budget {budget} ({rows[-1]['budget_frac']:.0%}): brute {best_ms:.4f} ms, "
-            f"solver {solver_ms} ms, {outcome.status}, {outcome.time_s:.2f}s, match={match}")
+        rows.append(
+            {
+                "budget_bytes": budget,
+                "budget_frac": round((budget - lowest) / (highest - lowest), 3) if highest > lowest else 0.0,
+                "plans_fitting": len(fitting),
+                "bruteforce_ms": round(best_ms, 4),
+                "solver_ms": None if solver_ms is None else round(solver_ms, 4),
+                "bruteforce_objective_us": best_us,
+                "solver_objective_us": solver_us,
+                "status": outcome.status,
+                "method": outcome.method,
+                "rounds": outcome.rounds,
+                "solve_s": outcome.time_s,
+                "fits": fits,
+                "match": match,
+                "exact_match": solver_us == best_us and outcome.status == "OPTIMAL" and fits,
+            }
+        )
+        log(
+            f"  {case.name} budget {budget} ({rows[-1]['budget_frac']:.0%}): brute {best_ms:.4f} ms, "
+            f"solver {solver_ms} ms, {outcome.status}, {outcome.time_s:.2f}s, match={match}"
+        )
     below = planner.solve(lowest - 1, time_limit_s=time_limit_s, workers=workers, seed=0)
     return {
         "case": case.name,
@@ -253,8 +258,14 @@ def incumbents(events: list[dict[str, Any]], start: float) -> Iterator[None]:
         this_round = round_no
 
         def hook(objective: float, bound: float, seconds: float) -> None:
-            events.append({"round": this_round, "t_s": round(time.perf_counter() - start, 3),
-                           "objective_ms": objective / 1000, "bound_ms": bound / 1000})
+            events.append(
+                {
+                    "round": this_round,
+                    "t_s": round(time.perf_counter() - start, 3),
+                    "objective_ms": objective / 1000,
+                    "bound_ms": bound / 1000,
+                }
+            )
             if on_incumbent is not None:
                 on_incumbent(objective, bound, seconds)
 
@@ -298,8 +309,9 @@ def gap_of(objective: float, bound: float) -> float:
     return 0.0 if objective <= 0 else max(0.0, (objective - bound) / objective)
 
 
-def scale_case(target_ops: int, *, time_limit_s: float, min_peak_limit_s: float, workers: int,
-               log: Callable[[str], None]) -> dict[str, Any]:
+def scale_case(
+    target_ops: int, *, time_limit_s: float, min_peak_limit_s: float, workers: int, log: Callable[[str], None]
+) -> dict[str, Any]:
     n_blocks, expected_ops = blocks_for(target_ops)
     kwargs = {"n_blocks": n_blocks, "seed": SCALE_SEED}
     profile, profile_s = profile_case("chain", kwargs)
@@ -315,9 +327,11 @@ def scale_case(target_ops: int, *, time_limit_s: float, min_peak_limit_s: float,
     baseline = profile.baseline.peak_bytes
     # What CP-SAT's bound is with no reasoning at all: every keep saving taken, no segment paid.
     trivial_bound_ms = -sum(step_costs(model).keep_saving.values()) / 1000
-    log(f"  chain n_blocks={n_blocks}: {len(profile.ops)} forward ops (target {target_ops}), "
+    log(
+        f"  chain n_blocks={n_blocks}: {len(profile.ops)} forward ops (target {target_ops}), "
         f"{len(model.segments)} segments, {len(planner.pool)} memory rows; min peak {minimum.peak_bytes} "
-        f"of baseline {baseline} ({min_peak_s:.1f}s)")
+        f"of baseline {baseline} ({min_peak_s:.1f}s)"
+    )
     rows = []
     for frac in SCALE_FRACTIONS:
         budget = int(minimum.peak_bytes + frac * (baseline - minimum.peak_bytes))
@@ -329,14 +343,25 @@ def scale_case(target_ops: int, *, time_limit_s: float, min_peak_limit_s: float,
         cpu0 = cpu_seconds()
         t0 = time.perf_counter()
         with incumbents(events, t0):
-            outcome = planner.solve(budget, time_limit_s=time_limit_s, workers=workers, seed=0,
-                                    report=lambda m, messages=messages, t0=t0: messages.append((round(time.perf_counter() - t0, 3), m)))
+            outcome = planner.solve(
+                budget,
+                time_limit_s=time_limit_s,
+                workers=workers,
+                seed=0,
+                report=lambda m, messages=messages, t0=t0: messages.append((round(time.perf_counter() - t0, 3), m)),
+            )
         cpu_s = cpu_seconds() - cpu0
         final_round = outcome.rounds
         first = events[0]["t_s"] if events else None
         first_final = next((e["t_s"] for e in events if e["round"] == final_round), None)
-        to_gap = next((e["t_s"] for e in events if e["round"] == final_round
-                       and gap_of(e["objective_ms"], e["bound_ms"]) <= GAP_TARGET), None)
+        to_gap = next(
+            (
+                e["t_s"]
+                for e in events
+                if e["round"] == final_round and gap_of(e["objective_ms"], e["bound_ms"]) <= GAP_TARGET
+            ),
+            None,
+        )
         if outcome.status == "OPTIMAL":
             to_gap = outcome.time_s if to_gap is None else to_gap
         fits = outcome.result is not None and outcome.result.peak_bytes <= budget
@@ -344,44 +369,59 @@ def scale_case(target_ops: int, *, time_limit_s: float, min_peak_limit_s: float,
         ref_ms = reference["objective_ms"] if reference["status"] == "OPTIMAL" else None
         to_ref = None
         if ref_ms is not None:
-            to_ref = next((e["t_s"] for e in events if e["round"] == final_round
-                           and e["objective_ms"] <= ref_ms * (1 + GAP_TARGET) + 1e-9), None)
-        rows.append({
-            "budget_frac": frac,
-            "budget_bytes": budget,
-            "heuristic_fits": heuristic_fits,
-            "heuristic_ms": None if heuristic_ms is None else round(heuristic_ms, 4),
-            "first_incumbent_s": first,
-            "first_incumbent_final_round_s": first_final,
-            "incumbents": len(events),
-            "to_gap_1pct_s": to_gap,
-            "to_optimal_s": outcome.time_s if outcome.status == "OPTIMAL" else None,
-            "solve_s": outcome.time_s,
-            "status": outcome.status,
-            "method": outcome.method,
-            "rounds": outcome.rounds,
-            "objective_ms": outcome.objective_ms,
-            "bound_ms": outcome.bound_ms,
-            "trivial_bound_ms": trivial_bound_ms,
-            "reference": reference,
-            "excess_over_reference": None if ref_ms is None or outcome.objective_ms is None
-            else round((outcome.objective_ms - ref_ms) / ref_ms if ref_ms > 0 else float(outcome.objective_ms > 0), 4),
-            "to_within_1pct_of_reference_s": to_ref,
-            "gap": None if outcome.gap is None else round(outcome.gap, 4),
-            "recompute_ms": None if outcome.result is None else round(outcome.result.added_ms, 4),
-            "peak_bytes": None if outcome.result is None else outcome.result.peak_bytes,
-            "fits": fits,
-            "segments_chosen": 0 if outcome.plan is None else len(outcome.plan),
-            "kept_ops": 0 if outcome.plan is None else sum(len(k) for k in outcome.plan.values()),
-            "cpu_s": round(cpu_s, 2),
-            "load_avg_1m": load,
-            "messages": [list(m) for m in messages if not m[1].startswith("incumbent")],
-            "trajectory": [[e["t_s"], round(e["objective_ms"], 4), round(e["bound_ms"], 4), e["round"]] for e in events],
-        })
-        log(f"    {frac:.0%} budget {budget}: {outcome.status} gap {rows[-1]['gap']} in {outcome.time_s:.1f}s, "
+            to_ref = next(
+                (
+                    e["t_s"]
+                    for e in events
+                    if e["round"] == final_round and e["objective_ms"] <= ref_ms * (1 + GAP_TARGET) + 1e-9
+                ),
+                None,
+            )
+        rows.append(
+            {
+                "budget_frac": frac,
+                "budget_bytes": budget,
+                "heuristic_fits": heuristic_fits,
+                "heuristic_ms": None if heuristic_ms is None else round(heuristic_ms, 4),
+                "first_incumbent_s": first,
+                "first_incumbent_final_round_s": first_final,
+                "incumbents": len(events),
+                "to_gap_1pct_s": to_gap,
+                "to_optimal_s": outcome.time_s if outcome.status == "OPTIMAL" else None,
+                "solve_s": outcome.time_s,
+                "status": outcome.status,
+                "method": outcome.method,
+                "rounds": outcome.rounds,
+                "objective_ms": outcome.objective_ms,
+                "bound_ms": outcome.bound_ms,
+                "trivial_bound_ms": trivial_bound_ms,
+                "reference": reference,
+                "excess_over_reference": None
+                if ref_ms is None or outcome.objective_ms is None
+                else round(
+                    (outcome.objective_ms - ref_ms) / ref_ms if ref_ms > 0 else float(outcome.objective_ms > 0), 4
+                ),
+                "to_within_1pct_of_reference_s": to_ref,
+                "gap": None if outcome.gap is None else round(outcome.gap, 4),
+                "recompute_ms": None if outcome.result is None else round(outcome.result.added_ms, 4),
+                "peak_bytes": None if outcome.result is None else outcome.result.peak_bytes,
+                "fits": fits,
+                "segments_chosen": 0 if outcome.plan is None else len(outcome.plan),
+                "kept_ops": 0 if outcome.plan is None else sum(len(k) for k in outcome.plan.values()),
+                "cpu_s": round(cpu_s, 2),
+                "load_avg_1m": load,
+                "messages": [list(m) for m in messages if not m[1].startswith("incumbent")],
+                "trajectory": [
+                    [e["t_s"], round(e["objective_ms"], 4), round(e["bound_ms"], 4), e["round"]] for e in events
+                ],
+            }
+        )
+        log(
+            f"    {frac:.0%} budget {budget}: {outcome.status} gap {rows[-1]['gap']} in {outcome.time_s:.1f}s, "
             f"first incumbent {first}s, gap<=1% {to_gap}s, recompute {rows[-1]['recompute_ms']} ms "
             f"(heuristic {rows[-1]['heuristic_ms']}), fits={fits}; reference {reference['status']} "
-            f"{reference['objective_ms']} ms in {reference['time_s']}s, reached within 1% at {to_ref}s")
+            f"{reference['objective_ms']} ms in {reference['time_s']}s, reached within 1% at {to_ref}s"
+        )
     return {
         "target_ops": target_ops,
         "model": "bench.synthetic_models:chain",
@@ -408,24 +448,43 @@ def run(*, quick: bool, time_limit_s: float, workers: int, log: Callable[[str], 
 
     started = time.perf_counter()
     load_start = load_average()
-    brute_cases = [next(c for c in BRUTE_CASES if c.factory == f) for f in ("chain", "skip_dag")] if quick else list(BRUTE_CASES)
+    brute_cases = (
+        [next(c for c in BRUTE_CASES if c.factory == f) for f in ("chain", "skip_dag")] if quick else list(BRUTE_CASES)
+    )
     targets = SCALE_TARGETS[:1] if quick else SCALE_TARGETS
     log(f"brute force: {len(brute_cases)} cases")
     brute = [brute_force_case(c, time_limit_s=20, workers=workers, log=log) for c in brute_cases]
     log(f"scale: chains of ~{', '.join(map(str, targets))} forward ops, {workers} workers, {time_limit_s:g}s limit")
-    scale = [scale_case(t, time_limit_s=time_limit_s, min_peak_limit_s=min(30.0, time_limit_s), workers=workers, log=log)
-             for t in targets]
+    scale = [
+        scale_case(t, time_limit_s=time_limit_s, min_peak_limit_s=min(30.0, time_limit_s), workers=workers, log=log)
+        for t in targets
+    ]
     rows = [r for case in brute for r in case["budgets"]]
     return {
         "kind": "monet.bench.solver-quality",
         "created_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "quick": quick,
-        "settings": {"batch_size": BATCH, "width": WIDTH, "workers": workers, "time_limit_s": time_limit_s,
-                     "brute_time_limit_s": 20, "profile_steps": PROFILE_STEPS,
-                     "profile_threads": 1, "tolerance_ms": TOL_MS, "gap_target": GAP_TARGET, "device": "cpu"},
-        "env": {"python": platform.python_version(), "torch": torch.__version__, "ortools": ortools.__version__,
-                "cpus": os.cpu_count(), "machine": platform.machine(),
-                "load_avg_1m_start": load_start, "load_avg_1m_end": load_average()},
+        "settings": {
+            "batch_size": BATCH,
+            "width": WIDTH,
+            "workers": workers,
+            "time_limit_s": time_limit_s,
+            "brute_time_limit_s": 20,
+            "profile_steps": PROFILE_STEPS,
+            "profile_threads": 1,
+            "tolerance_ms": TOL_MS,
+            "gap_target": GAP_TARGET,
+            "device": "cpu",
+        },
+        "env": {
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "ortools": ortools.__version__,
+            "cpus": os.cpu_count(),
+            "machine": platform.machine(),
+            "load_avg_1m_start": load_start,
+            "load_avg_1m_end": load_average(),
+        },
         "summary": {
             "bruteforce_cases": len(brute),
             "bruteforce_budgets": len(rows),
@@ -437,8 +496,11 @@ def run(*, quick: bool, time_limit_s: float, workers: int, log: Callable[[str], 
             "scale_all_fit": all(r["fits"] for c in scale for r in c["budgets"]),
             "scale_optimal": sum(r["status"] == "OPTIMAL" for c in scale for r in c["budgets"]),
             "scale_reference_optimal": sum(r["reference"]["status"] == "OPTIMAL" for c in scale for r in c["budgets"]),
-            "scale_at_reference": sum(r["excess_over_reference"] is not None and r["excess_over_reference"] <= GAP_TARGET
-                                      for c in scale for r in c["budgets"]),
+            "scale_at_reference": sum(
+                r["excess_over_reference"] is not None and r["excess_over_reference"] <= GAP_TARGET
+                for c in scale
+                for r in c["budgets"]
+            ),
             "total_s": round(time.perf_counter() - started, 1),
         },
         "bruteforce": brute,
@@ -462,32 +524,86 @@ def _tables(results: dict[str, Any]) -> list[tuple[str, list[str], list[list[str
     brute_rows = []
     for case in results["bruteforce"]:
         for r in case["budgets"]:
-            brute_rows.append([
-                case["case"], str(case["ops"]), str(case["segments"]), str(case["plans"]),
-                f"{_mib(r['budget_bytes'])} ({r['budget_frac']:.0%})", _fmt(r["bruteforce_ms"], ".4f"),
-                _fmt(r["solver_ms"], ".4f"), r["status"], _fmt(r["solve_s"], ".2f"), _fmt(r["match"]),
-                _fmt(r["exact_match"]),
-            ])
+            brute_rows.append(
+                [
+                    case["case"],
+                    str(case["ops"]),
+                    str(case["segments"]),
+                    str(case["plans"]),
+                    f"{_mib(r['budget_bytes'])} ({r['budget_frac']:.0%})",
+                    _fmt(r["bruteforce_ms"], ".4f"),
+                    _fmt(r["solver_ms"], ".4f"),
+                    r["status"],
+                    _fmt(r["solve_s"], ".2f"),
+                    _fmt(r["match"]),
+                    _fmt(r["exact_match"]),
+                ]
+            )
     scale_rows = []
     for case in results["scale"]:
         for r in case["budgets"]:
-            scale_rows.append([
-                str(case["ops"]), str(case["segments"]), f"{r['budget_frac']:.0%}", _mib(r["budget_bytes"]),
-                _fmt(r["heuristic_ms"], ".3f"), _fmt(r["first_incumbent_s"], ".2f"), _fmt(r["to_gap_1pct_s"], ".2f"),
-                _fmt(r["to_optimal_s"], ".2f"), r["status"], _fmt(r["gap"], ".3f"), _fmt(r["objective_ms"], ".3f"),
-                _fmt(r["reference"]["objective_ms"] if r["reference"]["status"] == "OPTIMAL" else None, ".3f"),
-                _fmt(r["reference"]["time_s"], ".2f"), _fmt(r["to_within_1pct_of_reference_s"], ".2f"),
-                str(r["rounds"]), _fmt(r["cpu_s"] / r["solve_s"] if r["solve_s"] >= 1 else None, ".2f"), _fmt(r["fits"]),
-            ])
+            scale_rows.append(
+                [
+                    str(case["ops"]),
+                    str(case["segments"]),
+                    f"{r['budget_frac']:.0%}",
+                    _mib(r["budget_bytes"]),
+                    _fmt(r["heuristic_ms"], ".3f"),
+                    _fmt(r["first_incumbent_s"], ".2f"),
+                    _fmt(r["to_gap_1pct_s"], ".2f"),
+                    _fmt(r["to_optimal_s"], ".2f"),
+                    r["status"],
+                    _fmt(r["gap"], ".3f"),
+                    _fmt(r["objective_ms"], ".3f"),
+                    _fmt(r["reference"]["objective_ms"] if r["reference"]["status"] == "OPTIMAL" else None, ".3f"),
+                    _fmt(r["reference"]["time_s"], ".2f"),
+                    _fmt(r["to_within_1pct_of_reference_s"], ".2f"),
+                    str(r["rounds"]),
+                    _fmt(r["cpu_s"] / r["solve_s"] if r["solve_s"] >= 1 else None, ".2f"),
+                    _fmt(r["fits"]),
+                ]
+            )
     return [
-        ("Brute force (every schedule enumerated and simulated)",
-         ["case", "ops", "segs", "plans", "budget MiB (of range)", "brute ms", "solver ms", "status", "solve s",
-          "match", "exact us"],
-         brute_rows),
-        (f"Scale (chains, {results['settings']['workers']} workers, {results['settings']['time_limit_s']:g}s limit)",
-         ["ops", "segs", "budget", "MiB", "heuristic ms", "1st incumbent s", "gap<=1% s", "optimal s", "status", "gap",
-          "objective ms", "ref opt ms", "ref s", "<=1% of ref s", "rounds", "cpu/wall", "fits"],
-         scale_rows),
+        (
+            "Brute force (every schedule enumerated and simulated)",
+            [
+                "case",
+                "ops",
+                "segs",
+                "plans",
+                "budget MiB (of range)",
+                "brute ms",
+                "solver ms",
+                "status",
+                "solve s",
+                "match",
+                "exact us",
+            ],
+            brute_rows,
+        ),
+        (
+            f"Scale (chains, {results['settings']['workers']} workers, {results['settings']['time_limit_s']:g}s limit)",
+            [
+                "ops",
+                "segs",
+                "budget",
+                "MiB",
+                "heuristic ms",
+                "1st incumbent s",
+                "gap<=1% s",
+                "optimal s",
+                "status",
+                "gap",
+                "objective ms",
+                "ref opt ms",
+                "ref s",
+                "<=1% of ref s",
+                "rounds",
+                "cpu/wall",
+                "fits",
+            ],
+            scale_rows,
+        ),
     ]
 
 
@@ -510,11 +626,13 @@ def markdown(results: dict[str, Any]) -> str:
         lines += [f"**{title}**", "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
         lines += ["| " + " | ".join(row) + " |" for row in rows]
         lines.append("")
-    lines.append("\"gap<=1% s\": seconds to the first incumbent within 1% of CP-SAT's bound (or to the proof); "
-                 "\"-\" means not reached within the limit. \"cpu/wall\": process CPU seconds per wall second "
-                 "during solves of 1 s or more (about the worker count on an idle machine; lower means other load). "
-                 "\"ref opt ms\": the optimum of the same CP model proven by one CP-SAT worker with "
-                 "linearization_level=2; \"<=1% of ref s\": when the Planner's incumbent came within 1% of it.")
+    lines.append(
+        '"gap<=1% s": seconds to the first incumbent within 1% of CP-SAT\'s bound (or to the proof); '
+        '"-" means not reached within the limit. "cpu/wall": process CPU seconds per wall second '
+        "during solves of 1 s or more (about the worker count on an idle machine; lower means other load). "
+        '"ref opt ms": the optimum of the same CP model proven by one CP-SAT worker with '
+        'linearization_level=2; "<=1% of ref s": when the Planner\'s incumbent came within 1% of it.'
+    )
     return "\n".join(lines) + "\n"
 
 
@@ -528,19 +646,27 @@ def text_table(results: dict[str, Any]) -> str:
         out.append("")
     s = results["summary"]
     out.append(f"scale: Planner at the reference optimum (within 1%) in {s['scale_at_reference']}/{s['scale_runs']}")
-    out.append(f"brute force matched {s['bruteforce_matched']}/{s['bruteforce_budgets']} "
-               f"(exact {s['bruteforce_exact_matched']}); scale optimal {s['scale_optimal']}/{s['scale_runs']}, "
-               f"all fit: {s['scale_all_fit']}; total {s['total_s']} s")
+    out.append(
+        f"brute force matched {s['bruteforce_matched']}/{s['bruteforce_budgets']} "
+        f"(exact {s['bruteforce_exact_matched']}); scale optimal {s['scale_optimal']}/{s['scale_runs']}, "
+        f"all fit: {s['scale_all_fit']}; total {s['total_s']} s"
+    )
     return "\n".join(out)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="smallest case of each section only (CI smoke test)")
-    parser.add_argument("--time-limit", type=float, default=None, help="CP-SAT limit per scale solve (60 s; 10 s with --quick)")
+    parser.add_argument(
+        "--time-limit", type=float, default=None, help="CP-SAT limit per scale solve (60 s; 10 s with --quick)"
+    )
     parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--out", type=Path, default=None,
-                        help=f"JSON path (default {DEFAULT_OUT.relative_to(ROOT)}; --quick: {QUICK_OUT.relative_to(ROOT)})")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help=f"JSON path (default {DEFAULT_OUT.relative_to(ROOT)}; --quick: {QUICK_OUT.relative_to(ROOT)})",
+    )
     parser.add_argument("-v", "--verbose", action="store_true", help="print per-budget progress")
     args = parser.parse_args(argv)
     time_limit = args.time_limit if args.time_limit is not None else (10.0 if args.quick else 60.0)

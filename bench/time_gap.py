@@ -93,9 +93,13 @@ def timed_phases(workload: Workload, seed: int, clock: RecomputeClock | None = N
     workload.sync()
     end = time.perf_counter()
     faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
-    return {"forward": (marks["backward"] - start) * 1000.0, "backward": (marks["optimizer"] - marks["backward"]) * 1000.0,
-            "optimizer": (end - marks["optimizer"]) * 1000.0, "recompute": clock.total_ms if clock else 0.0,
-            "faults": faults}
+    return {
+        "forward": (marks["backward"] - start) * 1000.0,
+        "backward": (marks["optimizer"] - marks["backward"]) * 1000.0,
+        "optimizer": (end - marks["optimizer"]) * 1000.0,
+        "recompute": clock.total_ms if clock else 0.0,
+        "faults": faults,
+    }
 
 
 def measure(name: str, repeats: int) -> dict[str, Any]:
@@ -105,10 +109,27 @@ def measure(name: str, repeats: int) -> dict[str, Any]:
     model = SegmentModel(profile)
     plan = {c: frozenset() for c, seg in model.segments.items() if re.fullmatch(BLOCKS[name], seg.fqn)}
     predicted = simulate(profile, plan, model=model)
-    info = SolverInfo(method="every block", status="n/a", objective=None, bound=None, gap=None, time_s=0.0, workers=1,
-                      seed=0, time_limit_s=0.0, ortools="")
-    schedule = build_schedule(profile, plan, budget_bytes=predicted.peak_bytes, budget_spec="every block", solver=info,
-                              profile_sha256="", model=model)
+    info = SolverInfo(
+        method="every block",
+        status="n/a",
+        objective=None,
+        bound=None,
+        gap=None,
+        time_s=0.0,
+        workers=1,
+        seed=0,
+        time_limit_s=0.0,
+        ortools="",
+    )
+    schedule = build_schedule(
+        profile,
+        plan,
+        budget_bytes=predicted.peak_bytes,
+        budget_spec="every block",
+        solver=info,
+        profile_sha256="",
+        model=model,
+    )
     plain, scheduled = build_workload(spec, CPU), build_workload(spec, CPU)
     clock = RecomputeClock(scheduled.model, {model.segments[c].fqn for c in plan})
     apply_schedule(scheduled.model, schedule)
@@ -121,18 +142,27 @@ def measure(name: str, repeats: int) -> dict[str, Any]:
         pair = [("plain", plain, None), ("scheduled", scheduled, clock)]
         for key, workload, c in pair if r % 2 == 0 else reversed(pair):
             runs[key].append(timed_phases(workload, r, c))
-    medians = {key: {phase: statistics.median(run[phase] for run in rows) for phase in (*PHASES, "recompute", "faults")}
-               for key, rows in runs.items()}
+    medians = {
+        key: {phase: statistics.median(run[phase] for run in rows) for phase in (*PHASES, "recompute", "faults")}
+        for key, rows in runs.items()
+    }
     steps = {key: [sum(run[p] for p in PHASES) for run in rows] for key, rows in runs.items()}
     recompute_ops_ms = sum(model.recompute_ms(c) for c in plan)
     return {
-        "workload": name, "model": profile.model.name, "batch_size": profile.model.batch_size, "blocks": len(plan),
-        "repeats": repeats, "profile_step_ms": profile.baseline.step_ms,
-        "predicted_recompute_ops_ms": recompute_ops_ms, "predicted_machinery_ms": predicted.added_ms - recompute_ops_ms,
+        "workload": name,
+        "model": profile.model.name,
+        "batch_size": profile.model.batch_size,
+        "blocks": len(plan),
+        "repeats": repeats,
+        "profile_step_ms": profile.baseline.step_ms,
+        "predicted_recompute_ops_ms": recompute_ops_ms,
+        "predicted_machinery_ms": predicted.added_ms - recompute_ops_ms,
         # Both steps run the prepared model (activations out of place): the decisions' time alone.
         "predicted_overhead": predicted.added_ms / profile.baseline.step_ms,
-        "plain": medians["plain"], "scheduled": medians["scheduled"],
-        "plain_step_ms": statistics.median(steps["plain"]), "scheduled_step_ms": statistics.median(steps["scheduled"]),
+        "plain": medians["plain"],
+        "scheduled": medians["scheduled"],
+        "plain_step_ms": statistics.median(steps["plain"]),
+        "scheduled_step_ms": statistics.median(steps["scheduled"]),
         "plain_step_ms_all": [round(t, 3) for t in steps["plain"]],
         "scheduled_step_ms_all": [round(t, 3) for t in steps["scheduled"]],
         "recomputed_ops": sum(model.segments[c].stop - model.segments[c].first_op for c in plan),

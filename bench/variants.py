@@ -61,22 +61,35 @@ def curve(profile: Profile, *, variants: bool, time_limit: float, workers: int, 
     lowest = planner.minimum_peak(time_limit_s=time_limit, workers=workers, seed=0).peak_bytes
     points = []
     for spec, budget in budgets(profile.baseline.peak_bytes, fixed_bytes(profile), lowest):
-        schedule, outcome = solve_schedule(planner, budget, spec, time_limit_s=time_limit, workers=workers, seed=0,
-                                           relative_gap=gap)
+        schedule, outcome = solve_schedule(
+            planner, budget, spec, time_limit_s=time_limit, workers=workers, seed=0, relative_gap=gap
+        )
         log(f"{'variants' if variants else 'checkpointing'} {spec}: {outcome.status} in {outcome.time_s:.2f}s")
         if schedule is not None:
-            points.append((schedule, {
-                "budget_spec": spec, "budget_bytes": budget, "predicted_peak_bytes": schedule.predicted.peak_bytes,
-                "predicted_overhead": schedule.predicted.overhead, "status": outcome.status, "gap": outcome.gap,
-                "gap_limit": gap,
-                "solve_time_s": outcome.time_s, "segments": len(schedule.segments), "kept_ops": len(schedule.keeps),
-                "variants": len(schedule.variants),
-            }))
+            points.append(
+                (
+                    schedule,
+                    {
+                        "budget_spec": spec,
+                        "budget_bytes": budget,
+                        "predicted_peak_bytes": schedule.predicted.peak_bytes,
+                        "predicted_overhead": schedule.predicted.overhead,
+                        "status": outcome.status,
+                        "gap": outcome.gap,
+                        "gap_limit": gap,
+                        "solve_time_s": outcome.time_s,
+                        "segments": len(schedule.segments),
+                        "kept_ops": len(schedule.keeps),
+                        "variants": len(schedule.variants),
+                    },
+                )
+            )
     return points
 
 
-def run_workload(name: str, device: torch.device, *, repeats: int, time_limit: float, workers: int,
-                 gap: float) -> dict[str, Any]:
+def run_workload(
+    name: str, device: torch.device, *, repeats: int, time_limit: float, workers: int, gap: float
+) -> dict[str, Any]:
     spec = resolve_model_spec(name, Overrides(), configs_dir=ROOT / "configs")
     log(f"{name}: profiling")
     profile = profile_model(spec, device, steps=3)
@@ -103,17 +116,33 @@ def run_workload(name: str, device: torch.device, *, repeats: int, time_limit: f
             row["within_budget"] = row["peak_bytes"] <= row["budget_bytes"]
         check = checks.get(method.name)
         if check is not None:
-            row["check"] = {"ok": check.ok, "mode": check.mode, "rtol": check.rtol, "atol": check.atol,
-                            "max_relative_diff": check.max_relative_diff, "buffers_match": check.buffers_match}
+            row["check"] = {
+                "ok": check.ok,
+                "mode": check.mode,
+                "rtol": check.rtol,
+                "atol": check.atol,
+                "max_relative_diff": check.max_relative_diff,
+                "buffers_match": check.buffers_match,
+            }
         points.append(row)
-    sites = [{"impl": v.impl, "module": v.module, "time_ms": v.time_ms,
-              "saves_bytes": v.native_saved_bytes - v.saved_bytes} for v in profile.variants]
+    sites = [
+        {"impl": v.impl, "module": v.module, "time_ms": v.time_ms, "saves_bytes": v.native_saved_bytes - v.saved_bytes}
+        for v in profile.variants
+    ]
     return {
-        "workload": name, "device": device.type, "device_name": profile.device.name,
+        "workload": name,
+        "device": device.type,
+        "device_name": profile.device.name,
         "spec": {"model": spec.target, "batch_size": spec.batch_size, "inputs": [list(i.shape) for i in spec.inputs]},
-        "torch": torch.__version__, "threads": torch.get_num_threads(), "repeats": repeats,
-        "profile": {"baseline_peak_bytes": profile.baseline.peak_bytes, "step_ms": profile.baseline.step_ms,
-                    "fixed_bytes": fixed, "variant_sites": sites},
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "repeats": repeats,
+        "profile": {
+            "baseline_peak_bytes": profile.baseline.peak_bytes,
+            "step_ms": profile.baseline.step_ms,
+            "fixed_bytes": fixed,
+            "variant_sites": sites,
+        },
         "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "points": points,
     }
@@ -125,15 +154,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=21)
     parser.add_argument("--time-limit", type=float, default=60.0)
     parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--gap", type=float, default=0.01,
-                        help="relative gap at which each solve stops (monet solve's default; 0: prove each optimal)")
+    parser.add_argument(
+        "--gap",
+        type=float,
+        default=0.01,
+        help="relative gap at which each solve stops (monet solve's default; 0: prove each optimal)",
+    )
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     args = parser.parse_args(argv)
     device = torch.device("cpu")
     args.out.mkdir(parents=True, exist_ok=True)
     for name in args.workloads.split(","):
-        result = run_workload(name, device, repeats=args.repeats, time_limit=args.time_limit, workers=args.workers,
-                              gap=args.gap)
+        result = run_workload(
+            name, device, repeats=args.repeats, time_limit=args.time_limit, workers=args.workers, gap=args.gap
+        )
         write_result(args.out / f"variants-{name}-{device.type}.json", result)
     return 0
 

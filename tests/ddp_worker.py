@@ -48,7 +48,9 @@ def main() -> None:
     scheduled = grads_after_step(schedule_path, spec, rank)
     worst = max(float((plain[n] - scheduled[n]).abs().max()) for n in plain)
     equal = all(torch.allclose(plain[n], scheduled[n], rtol=1e-5, atol=1e-6) for n in plain)
-    (out / f"rank{rank}.json").write_text(json.dumps({"equal": equal, "max_diff": worst, "world": dist.get_world_size()}))
+    (out / f"rank{rank}.json").write_text(
+        json.dumps({"equal": equal, "max_diff": worst, "world": dist.get_world_size()})
+    )
     dist.destroy_process_group()
 
 

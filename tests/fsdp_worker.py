@@ -70,8 +70,13 @@ def main() -> None:
         refused = False
     except FingerprintError:
         refused = True
-    report = {"plain": plain_losses, "scheduled": losses, "params_equal": equal, "refused_other_batch": refused,
-              "world": dist.get_world_size()}
+    report = {
+        "plain": plain_losses,
+        "scheduled": losses,
+        "params_equal": equal,
+        "refused_other_batch": refused,
+        "world": dist.get_world_size(),
+    }
     (out / f"rank{rank}.json").write_text(json.dumps(report))
     dist.destroy_process_group()
 

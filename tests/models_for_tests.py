@@ -80,11 +80,17 @@ def hf_llama(hidden_size: int = 256, num_hidden_layers: int = 4) -> nn.Module:
     """The real-models issue's LLaMA reproduction (it crashed in backward: SAC's slice not found in storage)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    return LlamaForCausalLM(LlamaConfig(
-        vocab_size=1000, hidden_size=hidden_size, intermediate_size=688 * hidden_size // 256,
-        num_hidden_layers=num_hidden_layers, num_attention_heads=4, num_key_value_heads=2,
-        max_position_embeddings=128,
-    ))
+    return LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=1000,
+            hidden_size=hidden_size,
+            intermediate_size=688 * hidden_size // 256,
+            num_hidden_layers=num_hidden_layers,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=128,
+        )
+    )
 
 
 class _CacheBlock(nn.Module):
@@ -244,10 +250,18 @@ def bn_chain_net(width: int = 8, num_classes: int = 5) -> nn.Module:
     """Conv-BN-ReLU and Conv-BN-ReLU6 feeding convolutions (two variant sites), then a head
     whose BatchNorm feeds a pooling instead (no site): input [N, 3, H, W]."""
     return nn.Sequential(
-        nn.Conv2d(3, width, 3, padding=1, bias=False), nn.BatchNorm2d(width), nn.ReLU(inplace=True),
-        nn.Conv2d(width, width, 3, padding=1), nn.BatchNorm2d(width), nn.ReLU6(inplace=True),
-        nn.Conv2d(width, width, 1, bias=False), nn.BatchNorm2d(width), nn.ReLU(),
-        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(width, num_classes),
+        nn.Conv2d(3, width, 3, padding=1, bias=False),
+        nn.BatchNorm2d(width),
+        nn.ReLU(inplace=True),
+        nn.Conv2d(width, width, 3, padding=1),
+        nn.BatchNorm2d(width),
+        nn.ReLU6(inplace=True),
+        nn.Conv2d(width, width, 1, bias=False),
+        nn.BatchNorm2d(width),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(width, num_classes),
     )
 
 
@@ -255,9 +269,15 @@ def pool_net(width: int = 8, num_classes: int = 5) -> nn.Module:
     """ResNet's stem: Conv-BN-ReLU, a 3x3 stride-2 max-pooling (a variant site), then a conv
     and a linear head: input [N, 3, H, W]."""
     return nn.Sequential(
-        nn.Conv2d(3, width, 3, padding=1, bias=False), nn.BatchNorm2d(width), nn.ReLU(inplace=True),
-        nn.MaxPool2d(3, stride=2, padding=1), nn.Conv2d(width, width, 3, padding=1), nn.ReLU(),
-        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(width, num_classes),
+        nn.Conv2d(3, width, 3, padding=1, bias=False),
+        nn.BatchNorm2d(width),
+        nn.ReLU(inplace=True),
+        nn.MaxPool2d(3, stride=2, padding=1),
+        nn.Conv2d(width, width, 3, padding=1),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(width, num_classes),
     )
 
 
@@ -299,7 +319,10 @@ class StemNet(nn.Module):
         self.relu = nn.ReLU(inplace=True)
         self.pool = nn.MaxPool2d(3, stride=2, padding=1)
         self.block = nn.Sequential(
-            nn.Conv2d(width, 4 * width, 3, padding=1), nn.ReLU(), nn.Conv2d(4 * width, width, 3, padding=1), nn.ReLU(),
+            nn.Conv2d(width, 4 * width, 3, padding=1),
+            nn.ReLU(),
+            nn.Conv2d(4 * width, width, 3, padding=1),
+            nn.ReLU(),
         )
         self.head = nn.Linear(width, num_classes)
 

@@ -18,16 +18,34 @@ from monet_cli.runtime.compare import run_apply
 from monet_cli.workload.resolve import Overrides, resolve_model_spec
 
 CPU = torch.device("cpu")
-INFO = SolverInfo(method="test", status="n/a", objective=None, bound=None, gap=None, time_s=0.0, workers=1,
-                  seed=0, time_limit_s=0.0, ortools="")
+INFO = SolverInfo(
+    method="test",
+    status="n/a",
+    objective=None,
+    bound=None,
+    gap=None,
+    time_s=0.0,
+    workers=1,
+    seed=0,
+    time_limit_s=0.0,
+    ortools="",
+)
 
 WORKLOADS = {
     "resnet18": lambda: small_spec("resnet18", shape=(3, 64, 64), batch_size=8),
     "tiny_gpt_dropout": lambda: resolve_model_spec(
         "monet_cli.examples.models:tiny_gpt",
-        Overrides(batch_size=4, loss="token_cross_entropy", optimizer="adamw",
-                  inputs=(__import__("monet_cli.core.profile", fromlist=["InputSpec"]).InputSpec(shape=(32,), dtype="int64", low=0, high=128),),
-                  model_kwargs={"vocab_size": 128, "seq_len": 32, "n_layers": 2, "dropout": 0.1}),
+        Overrides(
+            batch_size=4,
+            loss="token_cross_entropy",
+            optimizer="adamw",
+            inputs=(
+                __import__("monet_cli.core.profile", fromlist=["InputSpec"]).InputSpec(
+                    shape=(32,), dtype="int64", low=0, high=128
+                ),
+            ),
+            model_kwargs={"vocab_size": 128, "seq_len": 32, "n_layers": 2, "dropout": 0.1},
+        ),
     ),
     "skip_concat": lambda: small_spec("monet_cli.examples.models:skip_concat_net", shape=(3, 32, 32), batch_size=8),
 }
@@ -61,8 +79,16 @@ def test_simulator_matches_measured_peak_and_grads(workload_profile):
     name, profile = workload_profile
     model = SegmentModel(profile)
     for label, (plan, variants) in _plans(profile).items():
-        schedule = build_schedule(profile, plan, budget_bytes=profile.baseline.peak_bytes * 2, budget_spec="2x",
-                                  solver=INFO, profile_sha256="", model=model, variants=variants)
+        schedule = build_schedule(
+            profile,
+            plan,
+            budget_bytes=profile.baseline.peak_bytes * 2,
+            budget_spec="2x",
+            solver=INFO,
+            profile_sha256="",
+            model=model,
+            variants=variants,
+        )
         report = run_apply(schedule, CPU, steps=1, check=True)
         predicted = simulate(profile, plan, model=model, variants=variants).peak_bytes
         error = abs(predicted - report.measured_peak_bytes) / report.measured_peak_bytes
@@ -81,8 +107,9 @@ def test_fingerprint_mismatch_raises_on_first_forward():
     profile = profile_model(small_spec("resnet18", shape=(3, 32, 32), batch_size=2), CPU, steps=1)
     model = SegmentModel(profile)
     plan = next(iter(level_plans(model).values()))
-    schedule = build_schedule(profile, plan, budget_bytes=1, budget_spec="1", solver=INFO, profile_sha256="",
-                              model=model)
+    schedule = build_schedule(
+        profile, plan, budget_bytes=1, budget_spec="1", solver=INFO, profile_sha256="", model=model
+    )
     other = build_workload(small_spec("resnet18", shape=(3, 32, 32), batch_size=3), CPU)
     monet_cli.apply(other.model, schedule)
     # A first forward that raises leaves no dispatch mode behind, and the next one is checked.
@@ -105,8 +132,9 @@ def test_batchnorm_state_stays_equal_over_steps():
     profile = profile_model(spec, CPU, steps=1)
     model = SegmentModel(profile)
     plan = max(level_plans(model).values(), key=len)  # includes lone BatchNorms and downsample blocks
-    schedule = build_schedule(profile, plan, budget_bytes=1, budget_spec="1", solver=INFO, profile_sha256="",
-                              model=model)
+    schedule = build_schedule(
+        profile, plan, budget_bytes=1, budget_spec="1", solver=INFO, profile_sha256="", model=model
+    )
     baseline = build_workload(spec, CPU, prepare=False)
     scheduled = build_workload(spec, CPU)
     apply_schedule(scheduled.model, schedule)
@@ -134,14 +162,27 @@ def test_precision_is_part_of_the_fingerprint():
     from monet_cli.core.profile import InputSpec
     from monet_cli.workload.step import build_workload
 
-    spec = resolve_model_spec("monet_cli.examples.models:tiny_gpt", Overrides(
-        batch_size=2, precision="bf16-mixed", inputs=(InputSpec(shape=(16,), dtype="int64", low=0, high=512),),
-        model_kwargs={"n_layers": 1}))
+    spec = resolve_model_spec(
+        "monet_cli.examples.models:tiny_gpt",
+        Overrides(
+            batch_size=2,
+            precision="bf16-mixed",
+            inputs=(InputSpec(shape=(16,), dtype="int64", low=0, high=512),),
+            model_kwargs={"n_layers": 1},
+        ),
+    )
     profile = profile_model(spec, CPU, steps=1)
     assert profile.fingerprint.precision == "bf16-mixed"
     model = SegmentModel(profile)
-    schedule = build_schedule(profile, next(iter(level_plans(model).values())), budget_bytes=1, budget_spec="1",
-                              solver=INFO, profile_sha256="", model=model)
+    schedule = build_schedule(
+        profile,
+        next(iter(level_plans(model).values())),
+        budget_bytes=1,
+        budget_spec="1",
+        solver=INFO,
+        profile_sha256="",
+        model=model,
+    )
     bf16 = build_workload(spec, CPU)
     monet_cli.apply(bf16.model, schedule)
     bf16.forward_loss()  # runs under the spec's autocast: accepted
@@ -152,10 +193,14 @@ def test_precision_is_part_of_the_fingerprint():
         fp32.model(*args, **kwargs)
 
 
-@pytest.mark.parametrize("spec", [
-    lambda: small_spec("tests.models_for_tests:two_branch_mlp", shape=(16,), batch_size=64),
-    lambda: small_spec("resnet18", shape=(3, 32, 32), batch_size=4),
-], ids=["two_branch", "resnet18"])
+@pytest.mark.parametrize(
+    "spec",
+    [
+        lambda: small_spec("tests.models_for_tests:two_branch_mlp", shape=(16,), batch_size=64),
+        lambda: small_spec("resnet18", shape=(3, 32, 32), batch_size=4),
+    ],
+    ids=["two_branch", "resnet18"],
+)
 def test_nested_segments_match_the_measured_step_op_by_op(spec):
     """An outer segment recomputes its nested segment's arguments; the inner one recomputes
     from them. Live bytes after every op, recomputes included, equal the simulator's."""
@@ -167,8 +212,15 @@ def test_nested_segments_match_the_measured_step_op_by_op(spec):
     plans = [{o: frozenset(), i: frozenset()} for o, i in pairs[:: max(1, len(pairs) // 4)]]
     plans.append(Planner(model).minimum_peak(time_limit_s=10, workers=1, seed=0).plan)
     for plan in plans:
-        schedule = build_schedule(profile, plan, budget_bytes=profile.baseline.peak_bytes * 2, budget_spec="2x",
-                                  solver=INFO, profile_sha256="", model=model)
+        schedule = build_schedule(
+            profile,
+            plan,
+            budget_bytes=profile.baseline.peak_bytes * 2,
+            budget_spec="2x",
+            solver=INFO,
+            profile_sha256="",
+            model=model,
+        )
         report = run_apply(schedule, CPU, steps=1, check=True, timeline=True)
         names = sorted(model.segments[c].fqn for c in plan)
         assert report.timeline == live_series(model, plan), names
@@ -183,8 +235,15 @@ def test_an_op_without_a_deterministic_kernel_is_checked_within_the_stated_toler
     profile = profile_model(spec, CPU, steps=1)
     model = SegmentModel(profile)
     plan = max(level_plans(model).values(), key=len)
-    schedule = build_schedule(profile, plan, budget_bytes=profile.baseline.peak_bytes, budget_spec="100%",
-                              solver=INFO, profile_sha256="", model=model)
+    schedule = build_schedule(
+        profile,
+        plan,
+        budget_bytes=profile.baseline.peak_bytes,
+        budget_spec="100%",
+        solver=INFO,
+        profile_sha256="",
+        model=model,
+    )
     report = run_apply(schedule, CPU, steps=1, check=True)
     check = report.check
     assert check.mode == "tolerance" and "put_" in check.nondeterministic, check
@@ -198,8 +257,15 @@ def test_a_model_with_deterministic_kernels_is_checked_bit_for_bit(workload_prof
     _, profile = workload_profile
     model = SegmentModel(profile)
     plan = next(iter(level_plans(model).values()))
-    schedule = build_schedule(profile, plan, budget_bytes=profile.baseline.peak_bytes, budget_spec="100%",
-                              solver=INFO, profile_sha256="", model=model)
+    schedule = build_schedule(
+        profile,
+        plan,
+        budget_bytes=profile.baseline.peak_bytes,
+        budget_spec="100%",
+        solver=INFO,
+        profile_sha256="",
+        model=model,
+    )
     check = run_apply(schedule, CPU, steps=1, check=True).check
     assert check.mode == "exact" and check.ok and check.max_grad_diff == 0.0
     assert check.describe() == "bit-exact (deterministic algorithms)"

@@ -53,8 +53,12 @@ def test_the_time_model_target_is_judged_on_paired_repeats_with_their_interval()
 
     def point(name: str, overheads: list[float], predicted: float) -> dict:
         steps = [ms * (1 + o) for ms, o in zip(spells, overheads)]
-        return {"method": name, "predicted_overhead": predicted, "step_ms_all": steps,
-                "overhead": paired_overhead(steps, spells)}
+        return {
+            "method": name,
+            "predicted_overhead": predicted,
+            "step_ms_all": steps,
+            "overhead": paired_overhead(steps, spells),
+        }
 
     close = point("close", [0.20] * 21, 0.19)
     spread = [0.10 + 0.015 * k for k in range(21)]  # median 0.25, interval 0.19 to 0.31
@@ -115,8 +119,26 @@ def test_the_variants_curve_has_a_point_at_3x_less_activation_memory():
     from bench.variants import budgets
 
     # activations 900 of 1000: a third is 300, so a peak of 400 = 40%: no separate point
-    assert [label for label, _ in budgets(1000, 100, 150)] == ["90%", "80%", "70%", "60%", "50%", "40%", "30%",
-                                                              "20%", "min"]
-    assert budgets(1000, 130, 250) == [("90%", 900), ("80%", 800), ("70%", 700), ("60%", 600), ("50%", 500),
-                                       ("3x", 420), ("40%", 400), ("30%", 300), ("min", 250)]
+    assert [label for label, _ in budgets(1000, 100, 150)] == [
+        "90%",
+        "80%",
+        "70%",
+        "60%",
+        "50%",
+        "40%",
+        "30%",
+        "20%",
+        "min",
+    ]
+    assert budgets(1000, 130, 250) == [
+        ("90%", 900),
+        ("80%", 800),
+        ("70%", 700),
+        ("60%", 600),
+        ("50%", 500),
+        ("3x", 420),
+        ("40%", 400),
+        ("30%", 300),
+        ("min", 250),
+    ]
     assert budgets(1000, 130, 450)[-2:] == [("50%", 500), ("min", 450)]

@@ -25,8 +25,18 @@ from monet_cli.runtime.compare import run_apply
 from monet_cli.workload.step import build_workload
 
 CPU = torch.device("cpu")
-INFO = SolverInfo(method="test", status="n/a", objective=None, bound=None, gap=None, time_s=0.0, workers=1,
-                  seed=0, time_limit_s=0.0, ortools="")
+INFO = SolverInfo(
+    method="test",
+    status="n/a",
+    objective=None,
+    bound=None,
+    gap=None,
+    time_s=0.0,
+    workers=1,
+    seed=0,
+    time_limit_s=0.0,
+    ortools="",
+)
 
 
 def _chains(model: SegmentModel) -> dict[str, int]:
@@ -59,8 +69,9 @@ def test_a_chain_member_is_called_with_the_one_before_s_output_alone():
     forward, so none is offered. The calls after it pass one tensor along: a chain, and it
     runs within its prediction (in backward the step holds 1 KiB less than the simulator
     says at two ops: the safe side) with the unmodified model's gradients."""
-    profile = profile_model(small_spec("tests.models_for_tests:norm_attention_net", shape=(4, 16), batch_size=4),
-                            CPU, steps=1)
+    profile = profile_model(
+        small_spec("tests.models_for_tests:norm_attention_net", shape=(4, 16), batch_size=4), CPU, steps=1
+    )
     model = SegmentModel(profile)
     chains = _chains(model)
     assert list(chains) == ["fc..out"]
@@ -68,8 +79,15 @@ def test_a_chain_member_is_called_with_the_one_before_s_output_alone():
     assert not by_name["attn"].hand_off and not by_name["fc"].hand_off
     assert by_name["act"].hand_off and by_name["out"].hand_off
     plan = {chains["fc..out"]: frozenset()}
-    schedule = build_schedule(profile, plan, budget_bytes=profile.baseline.peak_bytes * 2, budget_spec="2x",
-                              solver=INFO, profile_sha256="", model=model)
+    schedule = build_schedule(
+        profile,
+        plan,
+        budget_bytes=profile.baseline.peak_bytes * 2,
+        budget_spec="2x",
+        solver=INFO,
+        profile_sha256="",
+        model=model,
+    )
     report = run_apply(schedule, CPU, steps=1, check=False, timeline=True)
     predicted = live_series(model, plan)
     assert len(report.timeline) == len(predicted) and all(m <= p for m, p in zip(report.timeline, predicted))
@@ -89,8 +107,15 @@ def test_a_schedule_is_refused_against_a_profile_that_offers_other_segments(hand
 
     model = SegmentModel(handoff_profile)
     chain = _chains(model)["act..drop"]
-    schedule = build_schedule(handoff_profile, {chain: frozenset()}, budget_bytes=handoff_profile.baseline.peak_bytes,
-                              budget_spec="100%", solver=INFO, profile_sha256="", model=model)
+    schedule = build_schedule(
+        handoff_profile,
+        {chain: frozenset()},
+        budget_bytes=handoff_profile.baseline.peak_bytes,
+        budget_spec="100%",
+        solver=INFO,
+        profile_sha256="",
+        model=model,
+    )
     assert plan_of(schedule, model) == {chain: frozenset()}
     older = replace(handoff_profile, calls=tuple(replace(c, hand_off=False) for c in handoff_profile.calls))
     with pytest.raises(UsageError, match="the profile offers no segment 'act..drop'"):
@@ -103,8 +128,9 @@ def test_a_nested_segment_recomputes_with_its_arguments_aliased_as_in_the_forwar
     segment nested in another gets its arguments back from the outer frame's saved tensors:
     one tensor passed three times must come back as one, or the recompute fails checkpoint's
     metadata check (vit_b_16's smallest-peak schedule did)."""
-    profile = profile_model(small_spec("tests.models_for_tests:attention_block_net", shape=(4, 16), batch_size=4),
-                            CPU, steps=1)
+    profile = profile_model(
+        small_spec("tests.models_for_tests:attention_block_net", shape=(4, 16), batch_size=4), CPU, steps=1
+    )
     model = SegmentModel(profile)
     by_name = {seg.fqn: c for c, seg in model.segments.items()}
     plan = {by_name["0"]: frozenset(), by_name["0.attn"]: frozenset()}
@@ -116,8 +142,15 @@ def _check(profile, plan):
     """One step op by op against the simulator; two steps against the unmodified model (the
     second starts from BatchNorm statistics the first updated)."""
     model = SegmentModel(profile)
-    schedule = build_schedule(profile, plan, budget_bytes=profile.baseline.peak_bytes * 2, budget_spec="2x",
-                              solver=INFO, profile_sha256="", model=model)
+    schedule = build_schedule(
+        profile,
+        plan,
+        budget_bytes=profile.baseline.peak_bytes * 2,
+        budget_spec="2x",
+        solver=INFO,
+        profile_sha256="",
+        model=model,
+    )
     report = run_apply(schedule, CPU, steps=1, check=False, timeline=True)
     assert report.timeline == live_series(model, plan)
     checked = run_apply(schedule, CPU, steps=2, check=True)
@@ -161,8 +194,14 @@ def test_the_solver_uses_the_stem_chain_to_reach_lower(stem_profile):
 
 def test_a_chain_schedule_round_trips_and_refuses_another_handoff(handoff_profile, tmp_path):
     chain = _chains(SegmentModel(handoff_profile))["act..drop"]
-    schedule = build_schedule(handoff_profile, {chain: frozenset()}, budget_bytes=2 * handoff_profile.baseline.peak_bytes,
-                              budget_spec="2x", solver=INFO, profile_sha256="")
+    schedule = build_schedule(
+        handoff_profile,
+        {chain: frozenset()},
+        budget_bytes=2 * handoff_profile.baseline.peak_bytes,
+        budget_spec="2x",
+        solver=INFO,
+        profile_sha256="",
+    )
     save_schedule(schedule, tmp_path / "s.yaml")
     loaded = load_schedule(tmp_path / "s.yaml")
     assert loaded == schedule and loaded.segments[0].members == ("act", "down", "drop")
@@ -181,8 +220,14 @@ def test_a_chain_schedule_round_trips_and_refuses_another_handoff(handoff_profil
 
 def test_a_forward_that_raised_inside_a_chain_does_not_leave_its_frame_behind(handoff_profile):
     chain = _chains(SegmentModel(handoff_profile))["act..drop"]
-    schedule = build_schedule(handoff_profile, {chain: frozenset()}, budget_bytes=2 * handoff_profile.baseline.peak_bytes,
-                              budget_spec="2x", solver=INFO, profile_sha256="")
+    schedule = build_schedule(
+        handoff_profile,
+        {chain: frozenset()},
+        budget_bytes=2 * handoff_profile.baseline.peak_bytes,
+        budget_spec="2x",
+        solver=INFO,
+        profile_sha256="",
+    )
     workload = build_workload(handoff_profile.model, CPU)
     monet_cli.apply(workload.model, schedule, check_fingerprint=False)
     raised = []
@@ -206,13 +251,27 @@ def test_cli_solve_inspect_and_validate_show_the_chain(stem_profile, tmp_path, m
     save_profile(stem_profile, path)
     floor = Planner(SegmentModel(stem_profile), variants=False).minimum_peak(time_limit_s=10, workers=1, seed=0)
     runner = CliRunner()
-    solved = runner.invoke(app, ["solve", str(path), "--budget", str(floor.peak_bytes), "--no-variants", "--workers", "1",
-                                 "--json", "-o", "s.yaml"])
+    solved = runner.invoke(
+        app,
+        [
+            "solve",
+            str(path),
+            "--budget",
+            str(floor.peak_bytes),
+            "--no-variants",
+            "--workers",
+            "1",
+            "--json",
+            "-o",
+            "s.yaml",
+        ],
+    )
     assert solved.exit_code == 0, solved.output
     assert json.loads(solved.stdout)["chains"] == 1
     report = json.loads(runner.invoke(app, ["inspect", "s.yaml", "--json"]).stdout)
     assert {"module": "conv..pool", "chain": ["conv", "bn", "relu", "pool"]}.items() <= next(
-        s for s in report["segments"] if s["chain"]).items()
+        s for s in report["segments"] if s["chain"]
+    ).items()
     profile_report = json.loads(runner.invoke(app, ["inspect", str(path), "--json"]).stdout)
     assert profile_report["chains"] == [["conv", "bn", "relu", "pool"]]
     checked = runner.invoke(app, ["validate", "s.yaml", "--json"])

@@ -38,8 +38,19 @@ def test_version_and_help():
 def test_profile_import_path_writes_profile_and_json(tmp_path: Path):
     out = tmp_path / "skip.profile.yaml"
     result = monet(
-        "profile", "tests.models_for_tests:skip_cnn", "--input-shape", "3,16,16", "-b", "2", "--steps", "1",
-        "--device", "cpu", "-o", str(out), "--json",
+        "profile",
+        "tests.models_for_tests:skip_cnn",
+        "--input-shape",
+        "3,16,16",
+        "-b",
+        "2",
+        "--steps",
+        "1",
+        "--device",
+        "cpu",
+        "-o",
+        str(out),
+        "--json",
     )
     assert result.exit_code == 0, result.stderr
     summary = json.loads(result.stdout)
@@ -56,9 +67,29 @@ def test_profile_import_path_writes_profile_and_json(tmp_path: Path):
 def test_profile_token_inputs_and_model_args(tmp_path: Path):
     out = tmp_path / "gpt.yaml"
     result = monet(
-        "profile", "monet_cli.examples.models:tiny_gpt", "--input-shape", "16", "--input-dtype", "int64",
-        "--input-range", "0:64", "--model-arg", "vocab_size=64", "--model-arg", "n_layers=1",
-        "--loss", "token_cross_entropy", "--optimizer", "adamw", "-b", "2", "--steps", "1", "-o", str(out), "--json",
+        "profile",
+        "monet_cli.examples.models:tiny_gpt",
+        "--input-shape",
+        "16",
+        "--input-dtype",
+        "int64",
+        "--input-range",
+        "0:64",
+        "--model-arg",
+        "vocab_size=64",
+        "--model-arg",
+        "n_layers=1",
+        "--loss",
+        "token_cross_entropy",
+        "--optimizer",
+        "adamw",
+        "-b",
+        "2",
+        "--steps",
+        "1",
+        "-o",
+        str(out),
+        "--json",
     )
     assert result.exit_code == 0, result.stderr
     profile = load_profile(out)
@@ -71,10 +102,17 @@ def test_profile_token_inputs_and_model_args(tmp_path: Path):
 
 def test_run_config_with_overrides(tmp_path: Path):
     config = tmp_path / "tiny.yaml"
-    config.write_text(yaml.safe_dump({
-        "kind": "monet.run", "model": "tests.models_for_tests:skip_cnn", "batch_size": 4,
-        "inputs": [{"shape": [3, 8, 8]}], "optimizer": "none",
-    }))
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "kind": "monet.run",
+                "model": "tests.models_for_tests:skip_cnn",
+                "batch_size": 4,
+                "inputs": [{"shape": [3, 8, 8]}],
+                "optimizer": "none",
+            }
+        )
+    )
     out = tmp_path / "o.yaml"
     result = monet("profile", str(config), "-b", "2", "--steps", "1", "-o", str(out), "--json")
     assert result.exit_code == 0, result.stderr
@@ -109,7 +147,9 @@ def test_shipped_run_configs_parse():
     ],
 )
 def test_user_errors_are_one_line_with_exit_code(args, code, needle, tmp_path: Path):
-    result = monet("profile", *args, "--steps" if "--steps" not in args else "--seed", "1", "-o", str(tmp_path / "x.yaml"))
+    result = monet(
+        "profile", *args, "--steps" if "--steps" not in args else "--seed", "1", "-o", str(tmp_path / "x.yaml")
+    )
     assert result.exit_code == code, (result.stdout, result.stderr)
     assert needle in one_line_error(result)
     assert not (tmp_path / "x.yaml").exists()

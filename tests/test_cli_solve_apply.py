@@ -35,8 +35,20 @@ def workdir(tmp_path_factory) -> Path:
 
 
 def solve(workdir: Path, budget: str, name: str, *extra: str):
-    return monet("solve", str(workdir / "configs" / "skip.profile.yaml"), "--budget", budget,
-                 "-o", str(workdir / "schedules" / name), "--workers", "1", "--time-limit", "20", "--json", *extra)
+    return monet(
+        "solve",
+        str(workdir / "configs" / "skip.profile.yaml"),
+        "--budget",
+        budget,
+        "-o",
+        str(workdir / "schedules" / name),
+        "--workers",
+        "1",
+        "--time-limit",
+        "20",
+        "--json",
+        *extra,
+    )
 
 
 def test_solve_writes_a_complete_schedule(workdir: Path):
@@ -47,8 +59,18 @@ def test_solve_writes_a_complete_schedule(workdir: Path):
     assert summary["status"] in ("OPTIMAL", "FEASIBLE")
     assert "budget: 90% = " in result.stderr and "bytes)" in result.stderr
     data = yaml.safe_load((workdir / "schedules" / "s90.yaml").read_text())
-    for key in ("schema_version", "kind", "budget_bytes", "budget_spec", "model", "fingerprint", "profile_sha256",
-                "predicted", "solver", "env"):
+    for key in (
+        "schema_version",
+        "kind",
+        "budget_bytes",
+        "budget_spec",
+        "model",
+        "fingerprint",
+        "profile_sha256",
+        "predicted",
+        "solver",
+        "env",
+    ):
         assert key in data, key
     assert data["kind"] == "monet.schedule" and data["schema_version"] == 2 and data["budget_spec"] == "90%"
     assert set(data["predicted"]) >= {"peak_bytes", "step_ms", "overhead"}
@@ -61,8 +83,17 @@ def test_apply_holds_budget_and_gradients(workdir: Path):
     result = monet("apply", str(path), "--steps", "1", "--json")
     assert result.exit_code == 0, result.stderr
     report = json.loads(result.stdout)
-    assert list(report) == ["budget_bytes", "predicted_peak_bytes", "measured_peak_bytes", "baseline_peak_bytes",
-                            "step_ms", "baseline_step_ms", "grads_match", "within_budget", "check"]
+    assert list(report) == [
+        "budget_bytes",
+        "predicted_peak_bytes",
+        "measured_peak_bytes",
+        "baseline_peak_bytes",
+        "step_ms",
+        "baseline_step_ms",
+        "grads_match",
+        "within_budget",
+        "check",
+    ]
     assert report["grads_match"] is None and report["check"] is None and report["within_budget"] is True
     assert report["measured_peak_bytes"] <= report["budget_bytes"]
     assert abs(report["predicted_peak_bytes"] - report["measured_peak_bytes"]) <= 0.02 * report["measured_peak_bytes"]
@@ -109,10 +140,13 @@ def test_changed_model_exits_5(tmp_path: Path):
     monet_bin = [sys.executable, "-m", "monet_cli"]
     env = dict(os.environ, PYTHONPATH=str(Path.cwd()))
     common = dict(cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
-    run = subprocess.run([*monet_bin, "profile", "usermodel:net", "-i", "3,32,32", "-b", "8", "--steps", "1",
-                          "-o", "p.yaml"], **common)
+    run = subprocess.run(
+        [*monet_bin, "profile", "usermodel:net", "-i", "3,32,32", "-b", "8", "--steps", "1", "-o", "p.yaml"], **common
+    )
     assert run.returncode == 0, run.stderr
-    run = subprocess.run([*monet_bin, "solve", "p.yaml", "--budget", "100%", "-o", "s.yaml", "--workers", "1"], **common)
+    run = subprocess.run(
+        [*monet_bin, "solve", "p.yaml", "--budget", "100%", "-o", "s.yaml", "--workers", "1"], **common
+    )
     assert run.returncode == 0, run.stderr
     source.write_text(USER_MODEL.replace("EXTRA", "[nn.Conv2d(8, 8, 3, padding=1), nn.ReLU()]"))
     run = subprocess.run([*monet_bin, "apply", "s.yaml", "--steps", "1"], **common)

@@ -86,11 +86,18 @@ def test_validate_checks_a_cuda_schedule_without_a_gpu_and_says_what_it_did_not(
     cuda = _as_if_made_on_cuda(schedule, tmp_path / "cuda.yaml")
     result = monet("validate", str(cuda))
     assert result.exit_code == 0, result.stderr
-    assert "passed ops and shapes: same op sequence and shapes (fake CUDA tensors, no GPU)" in " ".join(result.stderr.split())
+    assert "passed ops and shapes: same op sequence and shapes (fake CUDA tensors, no GPU)" in " ".join(
+        result.stderr.split()
+    )
     assert "not checked memory, time and gradients" in " ".join(result.stderr.split())
     checks = {c["name"]: c["status"] for c in json.loads(monet("validate", str(cuda), "--json").stdout)["checks"]}
-    assert checks == {"file": "passed", "module tree": "passed", "segment modules": "passed",
-                      "ops and shapes": "passed", "memory, time and gradients": "not checked"}
+    assert checks == {
+        "file": "passed",
+        "module tree": "passed",
+        "segment modules": "passed",
+        "ops and shapes": "passed",
+        "memory, time and gradients": "not checked",
+    }
     # A GPU that picked other kernels: the op sequence cannot be judged here, and is not failed.
     other_kernels = _as_if_made_on_cuda(schedule, tmp_path / "kernels.yaml", structure="0" * 16, torch="2.99.0")
     data = json.loads(monet("validate", str(other_kernels), "--json").stdout)
@@ -103,7 +110,8 @@ def test_validate_checks_a_cuda_schedule_without_a_gpu_and_says_what_it_did_not(
     assert not other_model["ok"] and other_model["problem"].startswith("module tree")
     old = _as_if_made_on_cuda(schedule, tmp_path / "old.yaml", modules="")  # made before the module hash
     assert {c["name"]: c["status"] for c in json.loads(monet("validate", str(old), "--json").stdout)["checks"]}[
-        "module tree"] == "not checked"
+        "module tree"
+    ] == "not checked"
 
 
 def test_fake_cuda_tensors_dispatch_as_cuda():
@@ -118,8 +126,10 @@ def test_fake_cuda_tensors_dispatch_as_cuda():
 
     fakes = {}
     for precision in ("32", "bf16-mixed"):
-        spec = resolve_model_spec("tests.models_for_tests:skip_cnn", Overrides(
-            batch_size=2, inputs=(InputSpec(shape=(3, 8, 8)),), precision=precision))
+        spec = resolve_model_spec(
+            "tests.models_for_tests:skip_cnn",
+            Overrides(batch_size=2, inputs=(InputSpec(shape=(3, 8, 8)),), precision=precision),
+        )
         workload = build_workload(spec, torch.device("cpu"))
         args, kwargs = workload.call_args()
         fakes[precision] = fake_cuda_fingerprint(workload.model, args, kwargs, precision)
@@ -152,14 +162,23 @@ def test_inspect_profile_and_schedule(solved, tmp_path):
     data = json.loads(monet("inspect", str(root / "configs" / "skip.profile.yaml"), "--json").stdout)
     assert data["kind"] == "monet.profile" and data["top_memory_at_peak"]
     assert sum(r["bytes"] for r in data["top_memory_at_peak"]) <= data["baseline"]["peak_bytes"]
-    assert data["not_checkpointable"] == [{"module": "<model>", "reason": "the model itself: its inputs are the step's data"}]
+    assert data["not_checkpointable"] == [
+        {"module": "<model>", "reason": "the model itself: its inputs are the step's data"}
+    ]
     assert data["chains"] == []  # each Sequential's run of calls is all of its forward: the Sequential is that segment
     human = monet("inspect", str(root / "configs" / "skip.profile.yaml"))  # the tables, not JSON
     assert human.exit_code == 0, human.output
     assert "top memory holders at the peak" in human.stdout and "module calls monet will not checkpoint" in human.stdout
     out = tmp_path / "t.html"
-    result = monet("inspect", str(schedule), "--profile", str(root / "configs" / "skip.profile.yaml"),
-                   "--timeline", str(out), "--json")
+    result = monet(
+        "inspect",
+        str(schedule),
+        "--profile",
+        str(root / "configs" / "skip.profile.yaml"),
+        "--timeline",
+        str(out),
+        "--json",
+    )
     assert result.exit_code == 0, result.stderr
     assert json.loads(result.stdout)["kind"] == "monet.schedule"
     assert "<svg" in out.read_text() and "budget" in out.read_text()
@@ -183,7 +202,11 @@ def test_sweep_writes_one_schedule_per_feasible_budget(solved, monkeypatch):
 def test_non_monotonic_points_are_flagged():
     from monet_cli.cli.solve_cmd import flag_non_monotonic
 
-    rows = [{"schedule": "a", "overhead": 0.05}, {"schedule": "b", "overhead": 0.03}, {"schedule": "c", "overhead": 0.1}]
+    rows = [
+        {"schedule": "a", "overhead": 0.05},
+        {"schedule": "b", "overhead": 0.03},
+        {"schedule": "c", "overhead": 0.1},
+    ]
     flag_non_monotonic(rows)
     assert [r.get("non_monotonic", False) for r in rows] == [False, True, False]
 
@@ -193,11 +216,22 @@ def test_no_solution_in_time_is_exit_4(solved, monkeypatch):
     from monet_cli.core.solver.cpsat import CpResult
 
     root, _ = solved
-    monkeypatch.setattr(search, "solve_model", lambda *a, **k: CpResult(status="UNKNOWN", plan=None, objective=None,
-                                                                          bound=None, wall_s=0.0))
+    monkeypatch.setattr(
+        search,
+        "solve_model",
+        lambda *a, **k: CpResult(status="UNKNOWN", plan=None, objective=None, bound=None, wall_s=0.0),
+    )
     monkeypatch.setattr(search, "best_heuristic", lambda linear, budget: ("none", {}, False))
-    result = monet("solve", str(root / "configs" / "skip.profile.yaml"), "--budget", "99%", "--workers", "1",
-                   "-o", str(root / "none.yaml"))
+    result = monet(
+        "solve",
+        str(root / "configs" / "skip.profile.yaml"),
+        "--budget",
+        "99%",
+        "--workers",
+        "1",
+        "-o",
+        str(root / "none.yaml"),
+    )
     assert result.exit_code == 4, result.stderr
     assert "no schedule within" in result.stderr and not (root / "none.yaml").exists()
 
@@ -208,10 +242,21 @@ def test_a_heuristic_plan_cp_sat_did_not_confirm_is_written_and_shown(solved, mo
     from monet_cli.core.solver.cpsat import CpResult
 
     root, _ = solved
-    monkeypatch.setattr(search, "solve_model", lambda *a, **k: CpResult(status="UNKNOWN", plan=None, objective=None,
-                                                                          bound=None, wall_s=0.0))
-    result = monet("solve", str(root / "configs" / "skip.profile.yaml"), "--budget", "95%", "--workers", "1",
-                   "-o", str(root / "heuristic.yaml"))
+    monkeypatch.setattr(
+        search,
+        "solve_model",
+        lambda *a, **k: CpResult(status="UNKNOWN", plan=None, objective=None, bound=None, wall_s=0.0),
+    )
+    result = monet(
+        "solve",
+        str(root / "configs" / "skip.profile.yaml"),
+        "--budget",
+        "95%",
+        "--workers",
+        "1",
+        "-o",
+        str(root / "heuristic.yaml"),
+    )
     assert result.exit_code == 0, result.stderr
     assert "heuristic" in result.stdout and " / - ms recompute" in result.stdout
     assert yaml.safe_load((root / "heuristic.yaml").read_text())["solver"]["bound"] is None
@@ -230,8 +275,12 @@ def test_same_inputs_give_the_same_schedule_file(solved, tmp_path):
     profile = str(root / "configs" / "skip.profile.yaml")
     texts = []
     for name in ("a.yaml", "b.yaml"):
-        assert monet("solve", profile, "--budget", "97%", "--workers", "1", "--seed", "3", "-o",
-                     str(tmp_path / name)).exit_code == 0
+        assert (
+            monet(
+                "solve", profile, "--budget", "97%", "--workers", "1", "--seed", "3", "-o", str(tmp_path / name)
+            ).exit_code
+            == 0
+        )
         data = yaml.safe_load((tmp_path / name).read_text())
         texts.append((tmp_path / name).read_text())
         data.pop("created_at")
@@ -254,9 +303,29 @@ def test_ctrl_c_leaves_old_file_and_exits_130(tmp_path):
     out.write_text("old contents\n")
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     proc = subprocess.Popen(
-        [sys.executable, "-m", "monet_cli", "profile", "resnet50", "-i", "3,128,128", "-b", "8", "--steps", "60",
-         "--device", "cpu", "-o", str(out)],
-        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=_ctrl_c_delivered,
+        [
+            sys.executable,
+            "-m",
+            "monet_cli",
+            "profile",
+            "resnet50",
+            "-i",
+            "3,128,128",
+            "-b",
+            "8",
+            "--steps",
+            "60",
+            "--device",
+            "cpu",
+            "-o",
+            str(out),
+        ],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=_ctrl_c_delivered,
     )
     time.sleep(10)  # past start-up, well inside the ~40 s of timed steps
     assert proc.poll() is None, "profiling ended before the interrupt"
@@ -282,7 +351,11 @@ def test_ctrl_c_during_a_solve_sweep_leaves_only_complete_files(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     proc = subprocess.Popen(
         [sys.executable, "-m", "monet_cli", "solve", "--sweep", "99%:55%:1%", "--workers", "1"],
-        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
         preexec_fn=_ctrl_c_delivered,
     )
     time.sleep(8)

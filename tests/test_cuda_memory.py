@@ -20,9 +20,18 @@ from monet_cli.errors import UsageError
 from monet_cli.runtime.meter import LiveStorageMeter
 
 
-@pytest.mark.parametrize(("nbytes", "block"), [
-    (0, 0), (1, 512), (511, 512), (512, 512), (513, 1024), (4096, 4096), (2**20 + 1, 2**20 + 512),
-])
+@pytest.mark.parametrize(
+    ("nbytes", "block"),
+    [
+        (0, 0),
+        (1, 512),
+        (511, 512),
+        (512, 512),
+        (513, 1024),
+        (4096, 4096),
+        (2**20 + 1, 2**20 + 512),
+    ],
+)
 def test_requests_round_up_to_512_byte_blocks(nbytes, block):
     assert cuda_block_bytes(nbytes) == block
 
@@ -64,8 +73,9 @@ def test_the_meter_counts_cuda_storages_at_their_block_size(monkeypatch):
 
 def _with_workspaces(profile):
     """The profile as if each convolution (forward and backward) took workspace while it ran."""
-    ops = tuple(replace(op, workspace_bytes=4096 * (1 + op.index % 3)) if "convolution" in op.op else op
-                for op in profile.ops)
+    ops = tuple(
+        replace(op, workspace_bytes=4096 * (1 + op.index % 3)) if "convolution" in op.op else op for op in profile.ops
+    )
     backward = tuple(replace(op, workspace_bytes=8192) if "convolution" in op.op else op for op in profile.backward)
     return replace(profile, ops=ops, backward=backward)
 

@@ -21,8 +21,18 @@ from monet_cli.core.solver.heuristics import level_plans
 from monet_cli.profiler.run import profile_model
 
 ROOT = Path(__file__).resolve().parent.parent
-INFO = SolverInfo(method="test", status="n/a", objective=None, bound=None, gap=None, time_s=0.0, workers=1,
-                  seed=0, time_limit_s=0.0, ortools="")
+INFO = SolverInfo(
+    method="test",
+    status="n/a",
+    objective=None,
+    bound=None,
+    gap=None,
+    time_s=0.0,
+    workers=1,
+    seed=0,
+    time_limit_s=0.0,
+    ortools="",
+)
 
 
 def _finest_schedule(spec, path: Path) -> None:
@@ -33,16 +43,39 @@ def _finest_schedule(spec, path: Path) -> None:
     levels = sorted(level_plans(model).values(), key=len, reverse=True)
     plan = next(p for p in levels if any(model.segments[c].candidates for c in p))
     plan = {c: frozenset(model.segments[c].candidates[:1]) for c in plan}
-    save_schedule(build_schedule(profile, plan, budget_bytes=2 * profile.baseline.peak_bytes, budget_spec="200%",
-                                 solver=INFO, profile_sha256="", model=model), path)
+    save_schedule(
+        build_schedule(
+            profile,
+            plan,
+            budget_bytes=2 * profile.baseline.peak_bytes,
+            budget_spec="200%",
+            solver=INFO,
+            profile_sha256="",
+            model=model,
+        ),
+        path,
+    )
 
 
 def _torchrun(worker: str, schedule: Path, out: Path, **extra_env: str) -> list[dict]:
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", **extra_env)
     result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         str(ROOT / "tests" / worker), str(schedule), str(out)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            str(ROOT / "tests" / worker),
+            str(schedule),
+            str(out),
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
@@ -62,8 +95,18 @@ def test_ddp_runs_a_chain_segment(tmp_path: Path):
     model = SegmentModel(profile)
     by_name = {seg.fqn: c for c, seg in model.segments.items()}
     plan = {by_name["conv1..maxpool"]: frozenset(), by_name["layer1"]: frozenset()}
-    save_schedule(build_schedule(profile, plan, budget_bytes=2 * profile.baseline.peak_bytes, budget_spec="200%",
-                                 solver=INFO, profile_sha256="", model=model), tmp_path / "chain.yaml")
+    save_schedule(
+        build_schedule(
+            profile,
+            plan,
+            budget_bytes=2 * profile.baseline.peak_bytes,
+            budget_spec="200%",
+            solver=INFO,
+            profile_sha256="",
+            model=model,
+        ),
+        tmp_path / "chain.yaml",
+    )
     reports = _torchrun("ddp_worker.py", tmp_path / "chain.yaml", tmp_path)
     assert all(r["equal"] for r in reports), reports
 
@@ -75,10 +118,22 @@ def test_ddp_runs_op_ranges(tmp_path: Path):
     model = SegmentModel(profile)
     calls = {c.fqn: c for c in profile.calls}
     by_name = {seg.fqn: c for c, seg in model.segments.items()}
-    plan = {by_name[f"<model>[{calls['bn1'].first_op}:{calls['layer1'].end_op}]"]: frozenset(),
-            by_name[f"layer2.0[{calls['layer2.0.bn2'].first_op}:{calls['layer2.0'].end_op}]"]: frozenset()}
-    save_schedule(build_schedule(profile, plan, budget_bytes=2 * profile.baseline.peak_bytes, budget_spec="200%",
-                                 solver=INFO, profile_sha256="", model=model), tmp_path / "ranges.yaml")
+    plan = {
+        by_name[f"<model>[{calls['bn1'].first_op}:{calls['layer1'].end_op}]"]: frozenset(),
+        by_name[f"layer2.0[{calls['layer2.0.bn2'].first_op}:{calls['layer2.0'].end_op}]"]: frozenset(),
+    }
+    save_schedule(
+        build_schedule(
+            profile,
+            plan,
+            budget_bytes=2 * profile.baseline.peak_bytes,
+            budget_spec="200%",
+            solver=INFO,
+            profile_sha256="",
+            model=model,
+        ),
+        tmp_path / "ranges.yaml",
+    )
     reports = _torchrun("ddp_worker.py", tmp_path / "ranges.yaml", tmp_path)
     assert all(r["equal"] for r in reports), reports
 
@@ -97,9 +152,18 @@ def test_fsdp2_runs_op_ranges_in_sharded_layers(tmp_path: Path):
             if r.parent not in best or r.own_ops > model.ranges[best[r.parent]].own_ops:
                 best[r.parent] = c
     assert len(best) >= 2
-    save_schedule(build_schedule(profile, dict.fromkeys(best.values(), frozenset()), budget_spec="200%",
-                                 budget_bytes=2 * profile.baseline.peak_bytes, solver=INFO, profile_sha256="",
-                                 model=model), tmp_path / "fsdp.yaml")
+    save_schedule(
+        build_schedule(
+            profile,
+            dict.fromkeys(best.values(), frozenset()),
+            budget_spec="200%",
+            budget_bytes=2 * profile.baseline.peak_bytes,
+            solver=INFO,
+            profile_sha256="",
+            model=model,
+        ),
+        tmp_path / "fsdp.yaml",
+    )
     reports = _torchrun("fsdp_worker.py", tmp_path / "fsdp.yaml", tmp_path)
     for r in reports:
         assert r["scheduled"] == r["plain"] and r["params_equal"], r
@@ -117,9 +181,16 @@ def test_ddp_runs_an_offload_beside_a_segment(tmp_path: Path, monkeypatch):
     model = SegmentModel(profile)
     layer3 = next(c for c, seg in model.segments.items() if seg.fqn == "layer3")
     layer1 = next(i for i, v in enumerate(model.profile.variants) if v.impl == "offload" and v.module == "layer1")
-    schedule = build_schedule(profile, {layer3: frozenset()}, budget_bytes=2 * profile.baseline.peak_bytes,
-                              budget_spec="200%", solver=INFO, profile_sha256="", model=model,
-                              variants=frozenset({layer1}))
+    schedule = build_schedule(
+        profile,
+        {layer3: frozenset()},
+        budget_bytes=2 * profile.baseline.peak_bytes,
+        budget_spec="200%",
+        solver=INFO,
+        profile_sha256="",
+        model=model,
+        variants=frozenset({layer1}),
+    )
     assert [o.module for o in schedule.offloads] == ["layer1"]
     save_schedule(schedule, tmp_path / "offload.yaml")
     reports = _torchrun("ddp_worker.py", tmp_path / "offload.yaml", tmp_path, MONET_TEST_HOST_ARRAYS="1")

@@ -17,8 +17,15 @@ from monet_cli.workload.step import LossFunction, build_workload
 
 ROOT = Path(__file__).resolve().parent.parent
 HF_CONFIGS = sorted((ROOT / "configs" / "hf").glob("*.json"))
-TINY_LLAMA = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
-              "num_key_value_heads": 1, "vocab_size": 100, "max_position_embeddings": 32}
+TINY_LLAMA = {
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "vocab_size": 100,
+    "max_position_embeddings": 32,
+}
 
 
 def _spec(model: str, shape: tuple[int, ...] | None = None, **kwargs):
@@ -31,8 +38,10 @@ def test_model_type_gets_its_language_model_head_and_training_inputs():
     assert (spec.source, spec.target, spec.name) == ("hf", "LlamaForCausalLM", "llama")
     assert spec.kwargs["model_type"] == "llama" and spec.kwargs["hidden_size"] == 32
     assert [(i.name, i.shape, i.dtype, i.low, i.high) for i in spec.inputs] == [
-        ("input_ids", (16,), "int64", 0, 100), ("attention_mask", (16,), "int64", 1, 2),
-        ("labels", (16,), "int64", 0, 100)]
+        ("input_ids", (16,), "int64", 0, 100),
+        ("attention_mask", (16,), "int64", 1, 2),
+        ("labels", (16,), "int64", 0, 100),
+    ]
     assert _spec("hf:t5", (8,), vocab_size=64).target == "T5ForConditionalGeneration"
     assert _spec("hf:bert", (8,), vocab_size=64).target == "BertForMaskedLM"
 
@@ -45,8 +54,17 @@ def test_a_class_name_picks_the_head_and_its_labels():
 
 def test_config_json_is_read_into_the_spec(tmp_path: Path):
     path = tmp_path / "my-llama.json"
-    path.write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "model_type": "llama",
-                                "transformers_version": "4.40", "torch_dtype": "float32", **TINY_LLAMA}))
+    path.write_text(
+        json.dumps(
+            {
+                "architectures": ["LlamaForCausalLM"],
+                "model_type": "llama",
+                "transformers_version": "4.40",
+                "torch_dtype": "float32",
+                **TINY_LLAMA,
+            }
+        )
+    )
     spec = _spec(f"hf:{path}", num_hidden_layers=2)
     assert spec.name == "my-llama" and spec.target == "LlamaForCausalLM"
     assert spec.kwargs["num_hidden_layers"] == 2 and "transformers_version" not in spec.kwargs  # --model-arg wins
@@ -72,14 +90,17 @@ def test_model_output_loss_and_logits():
     assert LossFunction("auto", 0)(CausalLMOutput(logits=logits)).shape == ()  # no labels: mean square of logits
 
 
-@pytest.mark.parametrize(("model", "kwargs", "message"), [
-    ("hf:lama", {}, "did you mean llama"),
-    ("hf:NotAModelClass", {}, "no model class"),
-    ("hf:", {}, "name a model"),
-    ("hf:llama", {"hiden_size": 64}, "LlamaConfig has no field 'hiden_size' \\(did you mean hidden_size\\?\\)"),
-    ("hf:llama", {"hidden_size": 30, "num_attention_heads": 4}, "bad config: .*hidden size \\(30\\)"),
-    ("timm:convnext_atoo", {}, "did you mean convnext_atto"),
-])
+@pytest.mark.parametrize(
+    ("model", "kwargs", "message"),
+    [
+        ("hf:lama", {}, "did you mean llama"),
+        ("hf:NotAModelClass", {}, "no model class"),
+        ("hf:", {}, "name a model"),
+        ("hf:llama", {"hiden_size": 64}, "LlamaConfig has no field 'hiden_size' \\(did you mean hidden_size\\?\\)"),
+        ("hf:llama", {"hidden_size": 30, "num_attention_heads": 4}, "bad config: .*hidden size \\(30\\)"),
+        ("timm:convnext_atoo", {}, "did you mean convnext_atto"),
+    ],
+)
 def test_user_errors_are_one_line(model: str, kwargs: dict, message: str):
     with pytest.raises(UsageError, match=message):
         _spec(model, (8,) if model.startswith("hf") else None, **kwargs)
@@ -87,8 +108,10 @@ def test_user_errors_are_one_line(model: str, kwargs: dict, message: str):
 
 def test_hf_inputs_are_built_not_given():
     with pytest.raises(UsageError, match="sequence length"):
-        resolve_model_spec("hf:llama", Overrides(inputs=(InputSpec(shape=(16,), dtype="int64", low=0, high=9),),
-                                                 model_kwargs=TINY_LLAMA))
+        resolve_model_spec(
+            "hf:llama",
+            Overrides(inputs=(InputSpec(shape=(16,), dtype="int64", low=0, high=9),), model_kwargs=TINY_LLAMA),
+        )
     with pytest.raises(UsageError, match="above the model's 32 positions"):
         _spec("hf:llama", (64,), **TINY_LLAMA)
     with pytest.raises(UsageError, match="no image size: give --input-shape"):
@@ -107,8 +130,27 @@ def test_cli_hf_loop_with_precision(tmp_path: Path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     runner = CliRunner()
     args = [f"--model-arg={k}={v}" for k, v in TINY_LLAMA.items()]
-    result = runner.invoke(app, ["profile", "hf:llama", *args, "-i", "16", "-b", "2", "--steps", "1",
-                                 "--precision", "bf16-mixed", "--device", "cpu", "-o", "p.yaml", "--json"])
+    result = runner.invoke(
+        app,
+        [
+            "profile",
+            "hf:llama",
+            *args,
+            "-i",
+            "16",
+            "-b",
+            "2",
+            "--steps",
+            "1",
+            "--precision",
+            "bf16-mixed",
+            "--device",
+            "cpu",
+            "-o",
+            "p.yaml",
+            "--json",
+        ],
+    )
     assert result.exit_code == 0, result.output
     summary = json.loads(result.stdout)
     assert summary["model"] == "llama"

@@ -19,8 +19,15 @@ from monet_cli.core.solver.heuristics import level_plans
 from monet_cli.errors import FileFormatError
 
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-SCALARS = st.one_of(st.none(), st.booleans(), st.integers(-(2**40), 2**40), st.floats(allow_nan=True),
-                    st.text(max_size=20), st.lists(st.integers(), max_size=3), st.dictionaries(st.text(max_size=5), st.integers(), max_size=2))
+SCALARS = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**40), 2**40),
+    st.floats(allow_nan=True),
+    st.text(max_size=20),
+    st.lists(st.integers(), max_size=3),
+    st.dictionaries(st.text(max_size=5), st.integers(), max_size=2),
+)
 
 
 @pytest.fixture(scope="module")
@@ -28,10 +35,27 @@ def files(tmp_path_factory, skip_cnn_profile):
     root = tmp_path_factory.mktemp("fuzz")
     model = SegmentModel(skip_cnn_profile)
     plan = next(iter(level_plans(model).values()))
-    info = SolverInfo(method="test", status="OPTIMAL", objective=1.0, bound=1.0, gap=0.0, time_s=0.1, workers=1,
-                      seed=0, time_limit_s=1.0, ortools="x")
-    schedule = build_schedule(skip_cnn_profile, plan, budget_bytes=skip_cnn_profile.baseline.peak_bytes * 2,
-                              budget_spec="200%", solver=info, profile_sha256="0" * 64, model=model)
+    info = SolverInfo(
+        method="test",
+        status="OPTIMAL",
+        objective=1.0,
+        bound=1.0,
+        gap=0.0,
+        time_s=0.1,
+        workers=1,
+        seed=0,
+        time_limit_s=1.0,
+        ortools="x",
+    )
+    schedule = build_schedule(
+        skip_cnn_profile,
+        plan,
+        budget_bytes=skip_cnn_profile.baseline.peak_bytes * 2,
+        budget_spec="200%",
+        solver=info,
+        profile_sha256="0" * 64,
+        model=model,
+    )
     save_profile(skip_cnn_profile, root / "p.yaml")
     save_schedule(schedule, root / "s.yaml")
     return root, to_data(skip_cnn_profile), to_data(schedule)
@@ -106,11 +130,17 @@ def test_each_rejection_names_file_and_key(files):
         (profile_from_data, {**profile_data, "kind": "monet.schedule"}, "this is a monet.schedule file"),
         (schedule_from_data, {**schedule_data, "kind": "monet.profile"}, "this is a monet.profile file"),
         (profile_from_data, {**profile_data, "surprise": 1}, "surprise: unknown key"),
-        (profile_from_data, {**profile_data, "baseline": {**profile_data["baseline"], "peak_bytes": -5}},
-         "baseline.peak_bytes: must not be negative"),
+        (
+            profile_from_data,
+            {**profile_data, "baseline": {**profile_data["baseline"], "peak_bytes": -5}},
+            "baseline.peak_bytes: must not be negative",
+        ),
         (schedule_from_data, {**schedule_data, "budget_bytes": "8G"}, "budget_bytes: expected int"),
-        (schedule_from_data, {**schedule_data, "predicted": {**schedule_data["predicted"], "peak_bytes": 1}},
-         "content_sha256"),
+        (
+            schedule_from_data,
+            {**schedule_data, "predicted": {**schedule_data["predicted"], "peak_bytes": 1}},
+            "content_sha256",
+        ),
     ]
     for loader, data, needle in cases:
         with pytest.raises(FileFormatError, match=needle) as info:

@@ -38,8 +38,18 @@ from monet_cli.runtime.meter import MachineryMarker
 from monet_cli.workload.step import build_workload
 
 CPU = torch.device("cpu")
-INFO = SolverInfo(method="test", status="n/a", objective=None, bound=None, gap=None, time_s=0.0, workers=1,
-                  seed=0, time_limit_s=0.0, ortools="")
+INFO = SolverInfo(
+    method="test",
+    status="n/a",
+    objective=None,
+    bound=None,
+    gap=None,
+    time_s=0.0,
+    workers=1,
+    seed=0,
+    time_limit_s=0.0,
+    ortools="",
+)
 # About PCIe 4 with pinned memory: 25 GB/s each way, 10 us per copy.
 TRANSFER = Transfer(fixed_ms=0.01, to_host_bytes_per_ms=25e6, to_device_bytes_per_ms=25e6)
 
@@ -93,8 +103,10 @@ def test_offload_rows_are_the_simulators_and_exclude_what_shares_their_tensors(r
 
 
 def test_the_solver_offloads_when_copies_are_cheaper_than_recompute(skip_cnn_profile, small_sites):
-    free = replace(skip_cnn_profile, transfer=replace(TRANSFER, fixed_ms=0.0, to_host_bytes_per_ms=1e12,
-                                                        to_device_bytes_per_ms=1e12))
+    free = replace(
+        skip_cnn_profile,
+        transfer=replace(TRANSFER, fixed_ms=0.0, to_host_bytes_per_ms=1e12, to_device_bytes_per_ms=1e12),
+    )
     floor = Planner(SegmentModel(skip_cnn_profile)).minimum_peak(time_limit_s=20, workers=1, seed=0).peak_bytes
     budget = (skip_cnn_profile.baseline.peak_bytes + floor) // 2
     planner = Planner(SegmentModel(free))
@@ -109,9 +121,16 @@ def test_the_solver_offloads_when_copies_are_cheaper_than_recompute(skip_cnn_pro
 
 def _schedule(profile, model: SegmentModel, names: list[str], tmp_path):
     offloads = _offloads(model)
-    schedule = build_schedule(profile, {}, budget_bytes=profile.baseline.peak_bytes, budget_spec="100%",
-                              solver=INFO, profile_sha256="", model=model,
-                              variants=frozenset(offloads[name] for name in names))
+    schedule = build_schedule(
+        profile,
+        {},
+        budget_bytes=profile.baseline.peak_bytes,
+        budget_spec="100%",
+        solver=INFO,
+        profile_sha256="",
+        model=model,
+        variants=frozenset(offloads[name] for name in names),
+    )
     save_schedule(schedule, tmp_path / "offload.yaml")
     loaded = load_schedule(tmp_path / "offload.yaml")  # the decision survives the file
     assert loaded == schedule and [o.module for o in loaded.offloads] == names
@@ -119,8 +138,7 @@ def _schedule(profile, model: SegmentModel, names: list[str], tmp_path):
     return loaded
 
 
-def test_offloaded_calls_run_as_simulated_with_the_unmodified_gradients(resnet18_profile, small_sites, host,
-                                                                       tmp_path):
+def test_offloaded_calls_run_as_simulated_with_the_unmodified_gradients(resnet18_profile, small_sites, host, tmp_path):
     profile = replace(resnet18_profile, transfer=TRANSFER)
     model = SegmentModel(profile)
     names = ["bn1", "layer1", "layer3.1"]
@@ -145,8 +163,12 @@ def test_a_changed_call_or_a_cpu_device_is_refused(resnet18_profile, small_sites
     offload = schedule.offloads[0]
     changed = replace(schedule, decisions=(replace(offload, saves=offload.saves + 1),))
     workload = build_workload(schedule.model, CPU)
-    runtime_offload.install_offloads([workload.model.get_submodule("layer1.0")], changed.offloads,
-                                     MachineryMarker(), store=lambda device: ArrayHost())
+    runtime_offload.install_offloads(
+        [workload.model.get_submodule("layer1.0")],
+        changed.offloads,
+        MachineryMarker(),
+        store=lambda device: ArrayHost(),
+    )
     with pytest.raises(FingerprintError, match="saved .* tensors for backward"):
         workload.step()
 
@@ -164,11 +186,14 @@ def test_cli_solve_inspect_validate_and_a_refused_apply(skip_cnn_profile, small_
     assert solved.exit_code == 0, solved.output
     summary = json.loads(solved.stdout)
     assert summary["offloads"] >= 1 and summary["offloaded_bytes"] > 0
-    plain = runner.invoke(app, ["solve", str(path), "--budget", budget, "--workers", "1", "--json", "--no-offload",
-                                "-o", "plain.yaml"])
+    plain = runner.invoke(
+        app, ["solve", str(path), "--budget", budget, "--workers", "1", "--json", "--no-offload", "-o", "plain.yaml"]
+    )
     assert json.loads(plain.stdout)["offloads"] == 0
     schedule = json.loads(runner.invoke(app, ["inspect", "s.yaml", "--json"]).stdout)
-    assert [o["module"] for o in schedule["offloads"]] == [o.module for o in load_schedule(tmp_path / "s.yaml").offloads]
+    assert [o["module"] for o in schedule["offloads"]] == [
+        o.module for o in load_schedule(tmp_path / "s.yaml").offloads
+    ]
     offered = json.loads(runner.invoke(app, ["inspect", str(path), "--json"]).stdout)["offload_sites"]
     assert {o["module"] for o in schedule["offloads"]} <= {o["module"] for o in offered}
     checked = runner.invoke(app, ["validate", "s.yaml", "--json"])
@@ -184,8 +209,9 @@ def test_an_offload_inside_a_segment_is_refused_on_load(resnet18_profile, small_
     schedule = _schedule(profile, SegmentModel(profile), ["layer1.0"], tmp_path)
     offload = schedule.offloads[0]
     layer1 = next(c for c in profile.calls if c.fqn == "layer1")
-    segment = SegmentDecision(module="layer1", call=layer1.index, first_op=layer1.first_op, end_op=layer1.end_op,
-                              recompute_ms=0.0)
+    segment = SegmentDecision(
+        module="layer1", call=layer1.index, first_op=layer1.first_op, end_op=layer1.end_op, recompute_ms=0.0
+    )
     edited = with_content_hash(replace(schedule, decisions=(segment, offload)))
     with pytest.raises(FileFormatError, match="offload at 'layer1.0' runs inside segment 'layer1'"):
         schedule_from_data(to_data(edited), source="edited.yaml")

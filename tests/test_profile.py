@@ -39,7 +39,15 @@ def test_profile_keys_and_types(resnet18_profile, tmp_path):
     save_profile(resnet18_profile, path)
     data = load_yaml_file(path)
     assert list(data)[:10] == [
-        "schema_version", "kind", "model", "device", "env", "fingerprint", "baseline", "memory", "overheads",
+        "schema_version",
+        "kind",
+        "model",
+        "device",
+        "env",
+        "fingerprint",
+        "baseline",
+        "memory",
+        "overheads",
         "created_at",
     ]
     assert data["schema_version"] == 1 and data["kind"] == "monet.profile"
@@ -89,7 +97,10 @@ def _live_activations_after_forward(spec) -> int:
 
 
 def test_saved_bytes_add_up_to_live_activations(resnet18_profile, skip_cnn_profile):
-    for profile, spec in [(resnet18_profile, small_spec()), (skip_cnn_profile, small_spec("tests.models_for_tests:skip_cnn"))]:
+    for profile, spec in [
+        (resnet18_profile, small_spec()),
+        (skip_cnn_profile, small_spec("tests.models_for_tests:skip_cnn")),
+    ]:
         live = _live_activations_after_forward(spec)
         assert sum(op.saved_bytes for op in profile.ops) == live
         assert profile.memory.saved_activation_bytes == live
@@ -215,7 +226,9 @@ def test_a_profile_warns_when_the_machine_speed_changed_while_it_ran():
             return self.ms
 
     slower = Steps(50.0 * SPEED_CHANGE * 1.01)
-    with pytest.warns(UserWarning, match="speed changed while profiling: the plain step took 50.0 ms when timed and 60.6"):
+    with pytest.warns(
+        UserWarning, match="speed changed while profiling: the plain step took 50.0 ms when timed and 60.6"
+    ):
         warn_on_speed_change(slower, [49.0, 50.0, 70.0])
     assert slower.timed == 3
     with pytest.warns(UserWarning, match="took 50.0 ms when timed and 41.3 ms"):
@@ -250,7 +263,7 @@ def test_a_recompute_costs_the_wall_time_of_the_code_it_re_runs(resnet18_profile
     ops, calls = resnet18_profile.ops, resnet18_profile.calls
 
     def scale(call):
-        return calls[call].time_ms / sum(op.time_ms for op in ops[calls[call].first_op:calls[call].end_op])
+        return calls[call].time_ms / sum(op.time_ms for op in ops[calls[call].first_op : calls[call].end_op])
 
     def scale_in(parent, op):
         inside = [c.index for c in calls if c.parent == parent and c.first_op <= op < c.end_op]
@@ -275,9 +288,16 @@ def test_a_recompute_costs_the_wall_time_of_the_code_it_re_runs(resnet18_profile
             assert saved == pytest.approx(min(1.0, op_scale[kept]) * ops[kept].time_ms)
     assert checked["whole"] >= 8 and checked["stretch"] >= 8, checked
     stretches = [c for c in model.segments if c in model.ranges and model.segments[c].burst_pos is not None]
-    assert any(len({round(scale_in(model.calls[c].parent, i), 9) for i in range(model.segments[c].first_op,
-                                                                              model.segments[c].stop)}) > 1
-               for c in stretches), "no range runs code at two scales: the test would not tell the rules apart"
+    assert any(
+        len(
+            {
+                round(scale_in(model.calls[c].parent, i), 9)
+                for i in range(model.segments[c].first_op, model.segments[c].stop)
+            }
+        )
+        > 1
+        for c in stretches
+    ), "no range runs code at two scales: the test would not tell the rules apart"
 
 
 def test_checkpoint_machinery_is_priced_per_saved_tensor(resnet18_profile):
@@ -328,8 +348,11 @@ def test_checkpoint_s_frame_and_policy_are_priced_in_the_step(resnet18_profile, 
     from monet_cli.core.segments import SegmentModel
     from monet_cli.profiler import in_step
 
-    profile = replace(resnet18_profile, baseline=replace(resnet18_profile.baseline, step_ms=10.0, steps=3),
-                      overheads=replace(resnet18_profile.overheads, python_op_ms=0.0))
+    profile = replace(
+        resnet18_profile,
+        baseline=replace(resnet18_profile.baseline, step_ms=10.0, steps=3),
+        overheads=replace(resnet18_profile.overheads, python_op_ms=0.0),
+    )
     model = SegmentModel(profile)
     index = {model.calls[c].fqn: c for c in model.segments}
     workload = build_workload(small_spec(), CPU)
@@ -436,10 +459,27 @@ def test_a_schedule_s_overhead_is_taken_against_the_model_as_written(resnet18_pr
     profile = replace(resnet18_profile, baseline=baseline)
     model = SegmentModel(profile)
     call = next(c for c, seg in model.segments.items() if seg.burst_pos is not None)
-    info = SolverInfo(method="hand", status="n/a", objective=None, bound=None, gap=None, time_s=0.0, workers=1,
-                      seed=0, time_limit_s=0.0, ortools="")
-    schedule = build_schedule(profile, {call: frozenset()}, budget_bytes=baseline.peak_bytes, budget_spec="100%",
-                              solver=info, profile_sha256="", model=model)
+    info = SolverInfo(
+        method="hand",
+        status="n/a",
+        objective=None,
+        bound=None,
+        gap=None,
+        time_s=0.0,
+        workers=1,
+        seed=0,
+        time_limit_s=0.0,
+        ortools="",
+    )
+    schedule = build_schedule(
+        profile,
+        {call: frozenset()},
+        budget_bytes=baseline.peak_bytes,
+        budget_spec="100%",
+        solver=info,
+        profile_sha256="",
+        model=model,
+    )
     pred = schedule.predicted
     assert pred.baseline_step_ms == 20.0 and pred.preparation_ms == pytest.approx(2.0)
     added_ms = model.added_ms(call) + profile.overheads.first_frame_ms

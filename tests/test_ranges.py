@@ -26,8 +26,18 @@ from monet_cli.runtime.compare import run_apply
 from monet_cli.workload.step import build_workload
 
 CPU = torch.device("cpu")
-INFO = SolverInfo(method="test", status="n/a", objective=None, bound=None, gap=None, time_s=0.0, workers=1,
-                  seed=0, time_limit_s=0.0, ortools="")
+INFO = SolverInfo(
+    method="test",
+    status="n/a",
+    objective=None,
+    bound=None,
+    gap=None,
+    time_s=0.0,
+    workers=1,
+    seed=0,
+    time_limit_s=0.0,
+    ortools="",
+)
 
 
 def _ranges(model: SegmentModel) -> dict[str, int]:
@@ -52,8 +62,15 @@ def _check(profile, plan, *, exact: bool = True, below: int = 4):
     unpack; the simulator holds it to the release the profile measured): below the
     prediction at those few points (at most ``below``), never above."""
     model = SegmentModel(profile)
-    schedule = build_schedule(profile, plan, budget_bytes=profile.baseline.peak_bytes * 2, budget_spec="2x",
-                              solver=INFO, profile_sha256="", model=model)
+    schedule = build_schedule(
+        profile,
+        plan,
+        budget_bytes=profile.baseline.peak_bytes * 2,
+        budget_spec="2x",
+        solver=INFO,
+        profile_sha256="",
+        model=model,
+    )
     report = run_apply(schedule, CPU, steps=1, check=False, timeline=True)
     predicted = live_series(model, plan)
     if exact:
@@ -89,8 +106,11 @@ def test_ranges_cover_a_blocks_own_code(resnet18_profile):
     chains = {(model.calls[c].first_op, model.calls[c].end_op) for c in model.members}
     assert not chains & {(r.first_op, r.end_op) for r in model.ranges.values()}
     bn2 = calls["layer2.0.bn2"].index
-    assert set(model.packs_by_call[bn2]) <= set(model.packs_by_call[ranges[model.calls[ranges[
-        f"layer2.0[{calls['layer2.0.bn2'].first_op}:{block.end_op}]"]].fqn]])
+    assert set(model.packs_by_call[bn2]) <= set(
+        model.packs_by_call[
+            ranges[model.calls[ranges[f"layer2.0[{calls['layer2.0.bn2'].first_op}:{block.end_op}]"]].fqn]
+        ]
+    )
 
 
 def test_crossing_ranges_are_never_chosen_together(range_net_profile):
@@ -103,13 +123,16 @@ def test_crossing_ranges_are_never_chosen_together(range_net_profile):
     assert not any(x in lowest.plan and y in lowest.plan for x, y in model.crossing_pairs)
 
 
-@pytest.mark.parametrize(("name", "exact"), [
-    # Opens with the forward: the buffer write, dropout, BatchNorm, the ReLU called twice; its
-    # recompute stops inside 'down', whose addmm saved a recomputed tensor.
-    ("<model>[0:18]", False),
-    ("<model>[13:21]", False),  # opens at the second call of the ReLU: the in-place add and the residual
-    ("<model>[3:14]", True),   # reads the Linear's output made before it
-])
+@pytest.mark.parametrize(
+    ("name", "exact"),
+    [
+        # Opens with the forward: the buffer write, dropout, BatchNorm, the ReLU called twice; its
+        # recompute stops inside 'down', whose addmm saved a recomputed tensor.
+        ("<model>[0:18]", False),
+        ("<model>[13:21]", False),  # opens at the second call of the ReLU: the in-place add and the residual
+        ("<model>[3:14]", True),  # reads the Linear's output made before it
+    ],
+)
 def test_a_range_replays_the_modules_own_ops_exactly(range_net_profile, name, exact):
     model = SegmentModel(range_net_profile)
     schedule = _check(range_net_profile, {_ranges(model)[name]: frozenset()}, exact=exact)
@@ -153,8 +176,11 @@ def test_a_stage_range_holds_its_first_block_s_range_nested(resnet50_small):
     its own again, saves what it read through the stage's frame, and replays later."""
     profile = resnet50_small
     model = SegmentModel(profile)
-    outer, inner = next((o, i) for o, i in model.nest_pairs
-                        if model.calls[o].fqn.startswith("layer1[") and model.calls[i].fqn.startswith("layer1.0["))
+    outer, inner = next(
+        (o, i)
+        for o, i in model.nest_pairs
+        if model.calls[o].fqn.startswith("layer1[") and model.calls[i].fqn.startswith("layer1.0[")
+    )
     _check(profile, {outer: frozenset(), inner: frozenset()})
 
 
@@ -173,13 +199,21 @@ def test_segments_nest_three_deep_and_an_outer_holds_two(resnet50_small):
     by_name = {model.calls[c].fqn: c for c in model.segments}
     plan = {by_name[name]: frozenset() for name in THREE_DEEP}
     stage, block, downsample, second, branch = plan
-    assert sorted(nest_paths(model, plan)) == sorted([(stage, block), (stage, block, downsample), (stage, second),
-                                                      (stage, second, branch)])
+    assert sorted(nest_paths(model, plan)) == sorted(
+        [(stage, block), (stage, block, downsample), (stage, second), (stage, second, branch)]
+    )
     schedule = _check(resnet50_small, plan)
-    assert schedule.nested_in() == {"layer1.0": "layer1[6:42]", "layer1.0.downsample": "layer1.0",
-                                    "layer1.1": "layer1[6:42]", "layer1.1.conv3..layer1.1.bn3": "layer1.1"}
+    assert schedule.nested_in() == {
+        "layer1.0": "layer1[6:42]",
+        "layer1.0.downsample": "layer1.0",
+        "layer1.1": "layer1[6:42]",
+        "layer1.1.conv3..layer1.1.bn3": "layer1.1",
+    }
     # The innermost's argument made by the outermost: its copy comes from the outermost's recompute.
-    _check(resnet50_small, {by_name[name]: frozenset() for name in ("layer1[6:42]", "layer1.1", "layer1.1.conv1..layer1.1.bn1")})
+    _check(
+        resnet50_small,
+        {by_name[name]: frozenset() for name in ("layer1[6:42]", "layer1.1", "layer1.1.conv1..layer1.1.bn1")},
+    )
     deeper = {by_name["layer1"]: frozenset(), **plan}
     assert "deeper than 3 levels" in nesting_problem(model, deeper)
 
@@ -219,7 +253,9 @@ def test_an_attention_range_recomputes_the_same_dropout_mask():
     model = SegmentModel(profile)
     # On this CPU attention with dropout runs as its parts: a softmax, then dropout's bernoulli_.
     sdpa = next(op.index for op in profile.ops if op.op == "aten.bernoulli_.float" and op.module == "blocks.1")
-    around = [c for c, r in model.ranges.items() if r.first_op <= sdpa < r.end_op and model.calls[r.parent].fqn == "blocks.1"]
+    around = [
+        c for c, r in model.ranges.items() if r.first_op <= sdpa < r.end_op and model.calls[r.parent].fqn == "blocks.1"
+    ]
     smallest = min(around, key=lambda c: model.ranges[c].end_op - model.ranges[c].first_op)
     assert [profile.calls[c].fqn for c in model.ranges[smallest].calls] == ["blocks.1.qkv", "blocks.1.proj"]
     _check(profile, {smallest: frozenset()}, exact=False)  # proj is an addmm
@@ -227,8 +263,7 @@ def test_an_attention_range_recomputes_the_same_dropout_mask():
     # in the block's recompute. (The block's segment alone is below the prediction at 8
     # points, for its four addmms.)
     block = next(c for c in profile.calls if c.fqn == "blocks.1")
-    early = min((c for c in around if model.ranges[c].first_op == block.first_op),
-                key=lambda c: model.ranges[c].end_op)
+    early = min((c for c in around if model.ranges[c].first_op == block.first_op), key=lambda c: model.ranges[c].end_op)
     assert (block.index, early) in model.nest_pairs and (block.index, smallest) not in model.nest_pairs
     _check(profile, {block.index: frozenset(), early: frozenset()}, exact=False, below=8)
     # The block's recompute runs the range to its end, recording its tape again: priced at
@@ -252,14 +287,30 @@ def test_every_range_replays_under_autocast_within_its_prediction():
     and gradients, parameters and buffers equal the unmodified model's bit for bit. (Below the
     prediction at a few more points than in float32: recomputed casts that autograd saved are
     handed over on unpack, as the addmm's are.)"""
-    profile = profile_model(small_spec("tests.models_for_tests:range_net", shape=(16,), batch_size=8,
-                                       precision="bf16-mixed", model_kwargs={"island": True}), CPU, steps=1)
+    profile = profile_model(
+        small_spec(
+            "tests.models_for_tests:range_net",
+            shape=(16,),
+            batch_size=8,
+            precision="bf16-mixed",
+            model_kwargs={"island": True},
+        ),
+        CPU,
+        steps=1,
+    )
     model = SegmentModel(profile)
     ranges = _ranges(model)
     assert len(ranges) >= 10 and any(op.op == "aten._to_copy.default" for op in profile.ops)
     for name, call in sorted(ranges.items()):
-        schedule = build_schedule(profile, {call: frozenset()}, budget_bytes=profile.baseline.peak_bytes * 2,
-                                  budget_spec="2x", solver=INFO, profile_sha256="", model=model)
+        schedule = build_schedule(
+            profile,
+            {call: frozenset()},
+            budget_bytes=profile.baseline.peak_bytes * 2,
+            budget_spec="2x",
+            solver=INFO,
+            profile_sha256="",
+            model=model,
+        )
         report = run_apply(schedule, CPU, steps=2, check=True, timeline=True)
         predicted = live_series(model, {call: frozenset()})
         assert len(report.timeline) == len(predicted), name
@@ -287,8 +338,11 @@ def test_an_op_range_is_priced_on_the_model_s_own_code(range_net_profile, monkey
     found = probe._probe(SegmentModel(profile))
     block = found.range.within
     assert block.startswith("blocks.") and found.range.own_ops >= probe.MIN_OWN_OPS
-    assert profile.calls[found.call].fqn == block and found.range.calls[:3] == (f"{block}.ln1", f"{block}.qkv",
-                                                                              f"{block}.proj")
+    assert profile.calls[found.call].fqn == block and found.range.calls[:3] == (
+        f"{block}.ln1",
+        f"{block}.qkv",
+        f"{block}.proj",
+    )
     assert probe._probe(SegmentModel(range_net_profile)) is None
     workload = build_workload(spec, CPU)
     times = probe._timed(workload, found.range)  # the range replays as recorded
@@ -297,14 +351,20 @@ def test_an_op_range_is_priced_on_the_model_s_own_code(range_net_profile, monkey
 
     wall = profile.calls[found.call].time_ms
     # The machine runs twice as slow as in the profile's steps: the differences count half.
-    given = probe._Times(forward_ms=2 * wall, checkpoint_forward_ms=4.0, range_forward_ms=4.0 + 2 * 1.0,
-                         checkpoint_ms=10.0, range_ms=10.0 + 2 * 3.0)
+    given = probe._Times(
+        forward_ms=2 * wall,
+        checkpoint_forward_ms=4.0,
+        range_forward_ms=4.0 + 2 * 1.0,
+        checkpoint_ms=10.0,
+        range_ms=10.0 + 2 * 3.0,
+    )
     monkeypatch.setattr(probe, "_timed", lambda *_args: given)
     measured = probe.probe_overheads(workload, profile)
     assert measured.range_op_ms == pytest.approx(3.0 / found.range.own_ops, abs=1e-6)
     assert measured.range_record_op_ms == pytest.approx(1.0 / found.range.own_ops, abs=1e-6)
-    assert measured == replace(profile.overheads, range_op_ms=measured.range_op_ms,
-                               range_record_op_ms=measured.range_record_op_ms)
+    assert measured == replace(
+        profile.overheads, range_op_ms=measured.range_op_ms, range_record_op_ms=measured.range_record_op_ms
+    )
 
     def fails(*_args):
         raise RuntimeError("needs its parent")
@@ -331,8 +391,15 @@ def test_a_mode_a_call_pushes_in_its_pre_hook_stays_on_top(range_net_profile):
 
     model = SegmentModel(range_net_profile)
     call = _ranges(model)["<model>[3:14]"]
-    schedule = build_schedule(range_net_profile, {call: frozenset()}, budget_bytes=range_net_profile.baseline.peak_bytes * 2,
-                              budget_spec="2x", solver=INFO, profile_sha256="", model=model)
+    schedule = build_schedule(
+        range_net_profile,
+        {call: frozenset()},
+        budget_bytes=range_net_profile.baseline.peak_bytes * 2,
+        budget_spec="2x",
+        solver=INFO,
+        profile_sha256="",
+        model=model,
+    )
     assert "bn" in schedule.segments[0].calls
     grads, seen = [], []
     modes: list[TorchDispatchMode] = []
@@ -353,9 +420,14 @@ def test_a_mode_a_call_pushes_in_its_pre_hook_stays_on_top(range_net_profile):
 
 def test_a_range_refuses_another_op_sequence_and_leaves_nothing_behind(range_net_profile, tmp_path):
     model = SegmentModel(range_net_profile)
-    schedule = build_schedule(range_net_profile, {_ranges(model)["<model>[13:21]"]: frozenset()},
-                              budget_bytes=2 * range_net_profile.baseline.peak_bytes, budget_spec="2x", solver=INFO,
-                              profile_sha256="")
+    schedule = build_schedule(
+        range_net_profile,
+        {_ranges(model)["<model>[13:21]"]: frozenset()},
+        budget_bytes=2 * range_net_profile.baseline.peak_bytes,
+        budget_spec="2x",
+        solver=INFO,
+        profile_sha256="",
+    )
     save_schedule(schedule, tmp_path / "s.yaml")
     loaded = load_schedule(tmp_path / "s.yaml")
     assert loaded == schedule and loaded.ranges == loaded.segments
@@ -379,8 +451,21 @@ def test_solve_counts_ranges_and_inspect_and_validate_show_them(range_net_profil
     save_profile(range_net_profile, tmp_path / "p.yaml")
     runner = CliRunner()
     floor = Planner(SegmentModel(range_net_profile), variants=False).minimum_peak(time_limit_s=10, workers=1, seed=0)
-    result = runner.invoke(app, ["solve", str(tmp_path / "p.yaml"), "--budget", str(floor.peak_bytes), "--no-variants",
-                                 "--output", str(tmp_path / "s.yaml"), "--json", "--workers", "1"])
+    result = runner.invoke(
+        app,
+        [
+            "solve",
+            str(tmp_path / "p.yaml"),
+            "--budget",
+            str(floor.peak_bytes),
+            "--no-variants",
+            "--output",
+            str(tmp_path / "s.yaml"),
+            "--json",
+            "--workers",
+            "1",
+        ],
+    )
     assert result.exit_code == 0, result.output
     solved = json.loads(result.stdout)
     schedule = load_schedule(tmp_path / "s.yaml")

@@ -53,13 +53,21 @@ def test_issue_reproductions_hold_60_percent(factory: str):
     """The issue's GPT-2 (216 MiB measured against a 206 MiB budget) and LLaMA (SAC crash in
     backward), as a user passes them: a plain transformers model, logits loss, 16 x 128 tokens."""
     tokens = InputSpec(shape=(128,), dtype="int64", low=0, high=1000)
-    spec = resolve_model_spec(f"tests.models_for_tests:{factory}",
-                              Overrides(batch_size=16, inputs=(tokens,), loss="token_cross_entropy"))
+    spec = resolve_model_spec(
+        f"tests.models_for_tests:{factory}", Overrides(batch_size=16, inputs=(tokens,), loss="token_cross_entropy")
+    )
     profile = profile_model(spec, CPU, steps=1)
     model = SegmentModel(profile)
     budget = int(0.6 * profile.baseline.peak_bytes)
     outcome = Planner(model).solve(budget, time_limit_s=30, workers=1, seed=0)
     assert outcome.plan, f"{factory}: 60% should be reachable"
-    schedule = build_schedule(profile, outcome.plan, budget_bytes=budget, budget_spec="60%", profile_sha256="",
-                              model=model, solver=solver_info(outcome, workers=1, seed=0, time_limit_s=30))
+    schedule = build_schedule(
+        profile,
+        outcome.plan,
+        budget_bytes=budget,
+        budget_spec="60%",
+        profile_sha256="",
+        model=model,
+        solver=solver_info(outcome, workers=1, seed=0, time_limit_s=30),
+    )
     assert_promises_hold(run_apply(schedule, CPU, steps=1, check=True), f"{factory} at 60%")

@@ -23,8 +23,10 @@ CPU = torch.device("cpu")
 
 
 def _profile(factory: str, shape: tuple[int, ...], precision: str = "32"):
-    spec = resolve_model_spec(f"tests.models_for_tests:{factory}",
-                              Overrides(batch_size=4, inputs=(InputSpec(shape=shape),), precision=precision))
+    spec = resolve_model_spec(
+        f"tests.models_for_tests:{factory}",
+        Overrides(batch_size=4, inputs=(InputSpec(shape=shape),), precision=precision),
+    )
     return profile_model(spec, CPU, steps=1)
 
 
@@ -47,8 +49,15 @@ def test_a_growing_cache_is_found_and_never_offered():
     floor = planner.minimum_peak(time_limit_s=5, workers=1, seed=0).peak_bytes
     assert floor < profile.baseline.peak_bytes
     outcome = planner.solve(floor, time_limit_s=5, workers=1, seed=0)
-    schedule = build_schedule(profile, outcome.plan, budget_bytes=floor, budget_spec="floor", profile_sha256="",
-                              model=model, solver=solver_info(outcome, workers=1, seed=0, time_limit_s=5))
+    schedule = build_schedule(
+        profile,
+        outcome.plan,
+        budget_bytes=floor,
+        budget_spec="floor",
+        profile_sha256="",
+        model=model,
+        solver=solver_info(outcome, workers=1, seed=0, time_limit_s=5),
+    )
     report = run_apply(schedule, CPU, steps=1, check=True)
     assert report.measured_peak_bytes == report.predicted_peak_bytes <= floor
     assert report.check.ok
@@ -70,12 +79,19 @@ def test_autocast_weight_cache_is_found_only_under_autocast(precision: str):
         assert reasons["second"].startswith("re-running its forward runs"), reasons["second"]
 
 
-@pytest.mark.parametrize(("model", "shape"), [("monet_cli.examples.models:tiny_gpt", None),
-                                              ("tests.models_for_tests:skip_cnn", (3, 16, 16))])
+@pytest.mark.parametrize(
+    ("model", "shape"), [("monet_cli.examples.models:tiny_gpt", None), ("tests.models_for_tests:skip_cnn", (3, 16, 16))]
+)
 def test_exact_recomputes_keep_every_call(model: str, shape):
     if shape is None:
-        spec = resolve_model_spec(model, Overrides(batch_size=2, model_kwargs={"n_layers": 2, "dropout": 0.1},
-                                                   inputs=(InputSpec(shape=(16,), dtype="int64", low=0, high=512),)))
+        spec = resolve_model_spec(
+            model,
+            Overrides(
+                batch_size=2,
+                model_kwargs={"n_layers": 2, "dropout": 0.1},
+                inputs=(InputSpec(shape=(16,), dtype="int64", low=0, high=512),),
+            ),
+        )
     else:
         spec = small_spec(model, shape=shape)
     profile = profile_model(spec, CPU, steps=1)

@@ -27,9 +27,14 @@ def test_a_schema_1_file_is_migrated_to_the_same_decisions(tmp_path: Path):
     schedule = load_schedule(V1)
     assert schedule.schema_version == 2
     assert [(s.module, s.call, s.first_op, s.end_op, s.recompute_ms) for s in schedule.segments] == [
-        (s["module"], s["call"], s["first_op"], s["end_op"], s["recompute_ms"]) for s in old["segments"]]
-    kept = [(s["module"], d["index"], d["op"], d["occurrence"]) for s in old["segments"] for d in s["decisions"]
-            if d["action"] == "keep"]
+        (s["module"], s["call"], s["first_op"], s["end_op"], s["recompute_ms"]) for s in old["segments"]
+    ]
+    kept = [
+        (s["module"], d["index"], d["op"], d["occurrence"])
+        for s in old["segments"]
+        for d in s["decisions"]
+        if d["action"] == "keep"
+    ]
     assert kept and [(k.segment, k.index, k.op, k.occurrence) for k in schedule.keeps] == kept
     assert schedule.predicted.peak_bytes == old["predicted"]["peak_bytes"]
     save_schedule(schedule, tmp_path / "v2.yaml")
@@ -46,11 +51,17 @@ def test_a_schema_1_file_edited_by_hand_is_refused():
         schedule_from_data(data, source="old.yaml")
 
 
-@pytest.mark.parametrize(("edit", "message"), [
-    (lambda d: d["decisions"].append({"kind": "swap", "op": 3}), "unknown kind .swap. .known: segment, keep, variant, offload"),
-    (lambda d: d["decisions"][0].update(kind=[]), r"decisions\[0\].kind: unknown kind \[\]"),  # found by fuzzing
-    (lambda d: d.update(schema_version=3), "written by a newer monet"),
-])
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (
+            lambda d: d["decisions"].append({"kind": "swap", "op": 3}),
+            "unknown kind .swap. .known: segment, keep, variant, offload",
+        ),
+        (lambda d: d["decisions"][0].update(kind=[]), r"decisions\[0\].kind: unknown kind \[\]"),  # found by fuzzing
+        (lambda d: d.update(schema_version=3), "written by a newer monet"),
+    ],
+)
 def test_unknown_decisions_and_versions_are_refused(tmp_path: Path, edit, message):
     save_schedule(load_schedule(V1), tmp_path / "v2.yaml")
     data = yaml.safe_load((tmp_path / "v2.yaml").read_text())

@@ -19,7 +19,9 @@ CPU = torch.device("cpu")
 
 @pytest.fixture(scope="module")
 def enumerable():
-    profile = profile_model(small_spec("tests.models_for_tests:skip_cnn", shape=(3, 24, 24), batch_size=4), CPU, steps=1)
+    profile = profile_model(
+        small_spec("tests.models_for_tests:skip_cnn", shape=(3, 24, 24), batch_size=4), CPU, steps=1
+    )
     model = SegmentModel(profile)
     plans = all_plans(model)
     assert 50 < len(plans) < 20000
@@ -163,8 +165,12 @@ def test_triple_rows_equal_whole_step_simulations(resnet18_profile):
     for outer, middle, inner in model.nest_triples:
         plan = dict.fromkeys((outer, middle, inner), frozenset())
         assert sorted(nest_paths(model, plan)) == [(outer, middle), (outer, middle, inner)]
-        interaction = (linear.live(plan) - linear.live({outer: frozenset(), middle: frozenset()})
-                       - linear.live({middle: frozenset(), inner: frozenset()}) + linear.live({middle: frozenset()}))
+        interaction = (
+            linear.live(plan)
+            - linear.live({outer: frozenset(), middle: frozenset()})
+            - linear.live({middle: frozenset(), inner: frozenset()})
+            + linear.live({middle: frozenset()})
+        )
         assert (linear.triple_delta[(outer, middle, inner)].dense(n) == interaction).all()
         mask = linear.active_mask(plan)
         assert (linear.predict(plan)[mask] == linear.live(plan)[mask]).all()
@@ -182,8 +188,9 @@ def test_nest_rows_equal_whole_step_simulations(resnet18_profile):
     assert len(model.nest_pairs) > 20
     for outer, inner in model.nest_pairs:
         both = {outer: frozenset(), inner: frozenset()}
-        interaction = (linear.live(both) - linear.live({outer: frozenset()}) - linear.live({inner: frozenset()})
-                       + linear.base)
+        interaction = (
+            linear.live(both) - linear.live({outer: frozenset()}) - linear.live({inner: frozenset()}) + linear.base
+        )
         assert (linear.nest_delta[(outer, inner)].dense(n) == interaction).all(), model.segments[inner].fqn
         mask = linear.active_mask(both)
         assert (linear.predict(both)[mask] == linear.live(both)[mask]).all()
@@ -221,10 +228,27 @@ def test_schedule_files_hold_nested_pairs_and_refuse_other_overlaps(two_branch, 
     profile, model, _ = two_branch
     by_name = {seg.fqn: c for c, seg in model.segments.items()}
     plan = {by_name["0"]: frozenset(), by_name["0.first"]: frozenset()}
-    info = SolverInfo(method="test", status="n/a", objective=None, bound=None, gap=None, time_s=0.0, workers=1,
-                      seed=0, time_limit_s=0.0, ortools="")
-    schedule = build_schedule(profile, plan, budget_bytes=profile.baseline.peak_bytes, budget_spec="100%",
-                              solver=info, profile_sha256="", model=model)
+    info = SolverInfo(
+        method="test",
+        status="n/a",
+        objective=None,
+        bound=None,
+        gap=None,
+        time_s=0.0,
+        workers=1,
+        seed=0,
+        time_limit_s=0.0,
+        ortools="",
+    )
+    schedule = build_schedule(
+        profile,
+        plan,
+        budget_bytes=profile.baseline.peak_bytes,
+        budget_spec="100%",
+        solver=info,
+        profile_sha256="",
+        model=model,
+    )
     save_schedule(schedule, tmp_path / "nested.yaml")
     assert plan_of(load_schedule(tmp_path / "nested.yaml"), model) == plan
 
@@ -237,10 +261,12 @@ def test_schedule_files_hold_nested_pairs_and_refuse_other_overlaps(two_branch, 
     edited = with_content_hash(replace(schedule, decisions=(outer, crossing)))
     assert "overlap" in consistency_problem(edited)
     # Three deep is a schedule the runtime runs; four deep is refused.
-    third, fourth = (replace(inner, module=f"deeper{k}", first_op=inner.first_op, end_op=inner.end_op - k)
-                     for k in (1, 2))
-    assert "deeper" not in (consistency_problem(with_content_hash(replace(schedule, decisions=(outer, inner, third))))
-                            or "")
+    third, fourth = (
+        replace(inner, module=f"deeper{k}", first_op=inner.first_op, end_op=inner.end_op - k) for k in (1, 2)
+    )
+    assert "deeper" not in (
+        consistency_problem(with_content_hash(replace(schedule, decisions=(outer, inner, third)))) or ""
+    )
     edited = with_content_hash(replace(schedule, decisions=(outer, inner, third, fourth)))
     assert "nest deeper than 3 levels" in consistency_problem(edited)
 
@@ -285,11 +311,31 @@ def test_near_the_smallest_peak_the_solver_starts_from_that_peak_s_plan(two_bran
 
 
 MOBILENET_V2_LOW_PLAN = (
-    "features.0", "features.1.conv", "features.10", "features.11.conv.3", "features.12.conv", "features.13.conv",
-    "features.14.conv", "features.15.conv.0", "features.18.1", "features.2.conv.0", "features.2.conv.0.1",
-    "features.2.conv.1", "features.3.conv", "features.3.conv.0", "features.4.conv.0", "features.4.conv.1",
-    "features.4.conv.3", "features.5.conv", "features.5.conv.0", "features.6.conv.1", "features.6.conv.3",
-    "features.7.conv", "features.8", "features.9.conv.1", "features.9.conv.3",
+    "features.0",
+    "features.1.conv",
+    "features.10",
+    "features.11.conv.3",
+    "features.12.conv",
+    "features.13.conv",
+    "features.14.conv",
+    "features.15.conv.0",
+    "features.18.1",
+    "features.2.conv.0",
+    "features.2.conv.0.1",
+    "features.2.conv.1",
+    "features.3.conv",
+    "features.3.conv.0",
+    "features.4.conv.0",
+    "features.4.conv.1",
+    "features.4.conv.3",
+    "features.5.conv",
+    "features.5.conv.0",
+    "features.6.conv.1",
+    "features.6.conv.3",
+    "features.7.conv",
+    "features.8",
+    "features.9.conv.1",
+    "features.9.conv.3",
 )
 
 
@@ -316,11 +362,30 @@ def _smallest_peak_and_known_plan(config: str, plan: tuple[str, ...], *, time_li
 
 
 RESNET50_LOW_PLAN = (
-    "conv1..maxpool", "layer1.0[6:24]", "layer1.1", "layer1.2", "layer1.2.conv3..layer1.2.bn3", "layer2.0[58:76]",
-    "layer2.0.conv1..layer2.0.bn1", "layer2.1", "layer2.2", "layer2.2.conv1..layer2.2.bn1", "layer2.3",
-    "layer2.3.conv3..layer2.3.bn3", "layer3.0[126:144]", "layer3.0.conv1..layer3.0.bn1", "layer3.1",
-    "layer3.1.conv3..layer3.1.bn3", "layer3.2", "layer3.3", "layer3.3.conv1..layer3.3.bn1", "layer3.4",
-    "layer3.4.conv3..layer3.4.bn3", "layer3.5[211:226]", "layer3.5.conv3..layer3.5.bn3", "layer4.0.conv1..layer4.0.bn1",
+    "conv1..maxpool",
+    "layer1.0[6:24]",
+    "layer1.1",
+    "layer1.2",
+    "layer1.2.conv3..layer1.2.bn3",
+    "layer2.0[58:76]",
+    "layer2.0.conv1..layer2.0.bn1",
+    "layer2.1",
+    "layer2.2",
+    "layer2.2.conv1..layer2.2.bn1",
+    "layer2.3",
+    "layer2.3.conv3..layer2.3.bn3",
+    "layer3.0[126:144]",
+    "layer3.0.conv1..layer3.0.bn1",
+    "layer3.1",
+    "layer3.1.conv3..layer3.1.bn3",
+    "layer3.2",
+    "layer3.3",
+    "layer3.3.conv1..layer3.3.bn1",
+    "layer3.4",
+    "layer3.4.conv3..layer3.4.bn3",
+    "layer3.5[211:226]",
+    "layer3.5.conv3..layer3.5.bn3",
+    "layer4.0.conv1..layer4.0.bn1",
 )
 
 
@@ -347,8 +412,11 @@ def test_a_cut_binds_only_plans_with_the_segments_that_met_there(two_branch):
     planner = Planner(model)
     lowest = min(scored, key=lambda scored_plan: scored_plan[0].peak_bytes)
     segment = next(iter(lowest[1]))
-    point = next(int(j) for j in planner.pool  # a point of the main timeline, which every plan meets, that it moves
-                 if planner.linear.points[j].burst_of is None and segment in planner.linear.coefficients_at(int(j))[0])
+    point = next(
+        int(j)
+        for j in planner.pool  # a point of the main timeline, which every plan meets, that it moves
+        if planner.linear.points[j].burst_of is None and segment in planner.linear.coefficients_at(int(j))[0]
+    )
     cut = row_at(planner.linear, point, slack=10 * profile.baseline.peak_bytes, plan={segment: frozenset()})
     assert cut.cut_for == (segment,) and cut.burst_of is None
     assert cut.holds_for(lowest[1]) and not cut.holds_for({})
@@ -368,7 +436,9 @@ def test_what_the_step_pays_once_for_checkpointing_is_priced_once(enumerable):
 
     profile, model, scored = enumerable
     once = 5.0
-    costly = replace(profile, overheads=replace(profile.overheads, first_frame_ms=profile.overheads.first_frame_ms + once))
+    costly = replace(
+        profile, overheads=replace(profile.overheads, first_frame_ms=profile.overheads.first_frame_ms + once)
+    )
     costly_model = SegmentModel(costly)
     plan = next(p for _, p in scored if len(p) >= 2)
     assert simulate(costly, plan).added_ms == pytest.approx(simulate(profile, plan).added_ms + once)
@@ -382,12 +452,36 @@ def test_what_the_step_pays_once_for_checkpointing_is_priced_once(enumerable):
     assert outcome.result.added_ms == pytest.approx(best + once, abs=0.01)
     assert outcome.objective_ms == pytest.approx(outcome.result.added_ms, abs=0.01 * (1 + len(outcome.plan)))
 
-    info = SolverInfo(method="test", status="n/a", objective=None, bound=None, gap=None, time_s=0.0, workers=1,
-                      seed=0, time_limit_s=0.0, ortools="")
-    schedule = build_schedule(costly, plan, budget_bytes=costly.baseline.peak_bytes, budget_spec="100%",
-                              solver=info, profile_sha256="", model=costly_model)
-    plain = build_schedule(profile, plan, budget_bytes=profile.baseline.peak_bytes, budget_spec="100%",
-                           solver=info, profile_sha256="", model=model)
+    info = SolverInfo(
+        method="test",
+        status="n/a",
+        objective=None,
+        bound=None,
+        gap=None,
+        time_s=0.0,
+        workers=1,
+        seed=0,
+        time_limit_s=0.0,
+        ortools="",
+    )
+    schedule = build_schedule(
+        costly,
+        plan,
+        budget_bytes=costly.baseline.peak_bytes,
+        budget_spec="100%",
+        solver=info,
+        profile_sha256="",
+        model=costly_model,
+    )
+    plain = build_schedule(
+        profile,
+        plan,
+        budget_bytes=profile.baseline.peak_bytes,
+        budget_spec="100%",
+        solver=info,
+        profile_sha256="",
+        model=model,
+    )
     assert consistency_problem(schedule) is None
     assert schedule.segments[0].overhead_ms == pytest.approx(plain.segments[0].overhead_ms + once, abs=1e-4)
     assert [s.overhead_ms for s in schedule.segments[1:]] == [s.overhead_ms for s in plain.segments[1:]]

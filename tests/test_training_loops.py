@@ -33,8 +33,15 @@ def gpt2_schedule() -> Schedule:
     budget = (profile.baseline.peak_bytes + floor) // 2
     outcome = planner.solve(budget, time_limit_s=5, workers=1, seed=0)
     assert outcome.plan, "the schedule should checkpoint something"
-    return build_schedule(profile, outcome.plan, budget_bytes=budget, budget_spec="halfway", profile_sha256="",
-                          model=model, solver=solver_info(outcome, workers=1, seed=0, time_limit_s=5))
+    return build_schedule(
+        profile,
+        outcome.plan,
+        budget_bytes=budget,
+        budget_spec="halfway",
+        profile_sha256="",
+        model=model,
+        solver=solver_info(outcome, workers=1, seed=0, time_limit_s=5),
+    )
 
 
 def _scheduled_model(schedule: Schedule) -> torch.nn.Module:
@@ -52,8 +59,16 @@ def _trainer_run(model: torch.nn.Module, schedule: Schedule, out: Path) -> tuple
     _, batch = workload.call_args()
     rows = [{name: tensor[i] for name, tensor in batch.items()} for i in range(spec.batch_size)] * 2
     args = TrainingArguments(
-        output_dir=str(out), max_steps=2, per_device_train_batch_size=spec.batch_size, learning_rate=1e-3,
-        logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, seed=0, disable_tqdm=True,
+        output_dir=str(out),
+        max_steps=2,
+        per_device_train_batch_size=spec.batch_size,
+        learning_rate=1e-3,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        seed=0,
+        disable_tqdm=True,
     )
     trainer = Trainer(model=model, args=args, train_dataset=rows)
     trainer.train()
@@ -73,8 +88,16 @@ def test_trainer_with_gradient_checkpointing_is_refused(gpt2_schedule, tmp_path)
     from transformers import Trainer, TrainingArguments
 
     model = _scheduled_model(gpt2_schedule)
-    args = TrainingArguments(output_dir=str(tmp_path), max_steps=1, per_device_train_batch_size=4, report_to=[],
-                             use_cpu=True, save_strategy="no", gradient_checkpointing=True, disable_tqdm=True)
+    args = TrainingArguments(
+        output_dir=str(tmp_path),
+        max_steps=1,
+        per_device_train_batch_size=4,
+        report_to=[],
+        use_cpu=True,
+        save_strategy="no",
+        gradient_checkpointing=True,
+        disable_tqdm=True,
+    )
     workload = build_workload(gpt2_schedule.model, CPU)
     _, batch = workload.call_args()
     rows = [{name: tensor[i] for name, tensor in batch.items()} for i in range(4)]

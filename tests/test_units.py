@@ -147,8 +147,7 @@ def test_unknown_unit_message() -> None:
     with pytest.raises(UsageError) as exc:
         parse_budget("8XB", baseline_peak_bytes=None)
     assert str(exc.value) == (
-        "budget '8XB': unknown unit 'XB' "
-        "(use B, K/KiB, M/MiB, G/GiB, T/TiB, KB, MB, GB, TB or a percentage like 60%)"
+        "budget '8XB': unknown unit 'XB' (use B, K/KiB, M/MiB, G/GiB, T/TiB, KB, MB, GB, TB or a percentage like 60%)"
     )
 
 

@@ -26,14 +26,25 @@ from monet_cli.runtime.compare import run_apply
 from monet_cli.runtime.variants import install_on, variant_ready
 
 CPU = torch.device("cpu")
-INFO = SolverInfo(method="test", status="n/a", objective=None, bound=None, gap=None, time_s=0.0, workers=1,
-                  seed=0, time_limit_s=0.0, ortools="")
+INFO = SolverInfo(
+    method="test",
+    status="n/a",
+    objective=None,
+    bound=None,
+    gap=None,
+    time_s=0.0,
+    workers=1,
+    seed=0,
+    time_limit_s=0.0,
+    ortools="",
+)
 
 
 @pytest.fixture(scope="module")
 def chain_profile():
-    return profile_model(small_spec("tests.models_for_tests:bn_chain_net", shape=(3, 16, 16), batch_size=4), CPU,
-                         steps=1)
+    return profile_model(
+        small_spec("tests.models_for_tests:bn_chain_net", shape=(3, 16, 16), batch_size=4), CPU, steps=1
+    )
 
 
 def test_sites_are_the_batchnorms_feeding_an_activation_feeding_convolutions(chain_profile):
@@ -55,8 +66,15 @@ def test_the_profile_measures_what_each_variant_keeps(chain_profile):
 
 def test_the_rewritten_profile_predicts_the_measured_peak_and_the_tolerance_holds(chain_profile):
     every = frozenset(range(len(chain_profile.variants)))
-    schedule = build_schedule(chain_profile, {}, budget_bytes=chain_profile.baseline.peak_bytes, budget_spec="100%",
-                              solver=INFO, profile_sha256="", variants=every)
+    schedule = build_schedule(
+        chain_profile,
+        {},
+        budget_bytes=chain_profile.baseline.peak_bytes,
+        budget_spec="100%",
+        solver=INFO,
+        profile_sha256="",
+        variants=every,
+    )
     assert schedule.predicted.peak_bytes < chain_profile.baseline.peak_bytes
     report = run_apply(schedule, CPU, steps=1, check=True, timeline=True)
     assert report.measured_peak_bytes == schedule.predicted.peak_bytes
@@ -76,11 +94,21 @@ def test_the_step_peaking_in_a_variant_backward_is_predicted_to_the_byte():
     """Wide channels on a 2x2 image: the step peaks while a variant BatchNorm's backward runs,
     where the rebuilt input and the zero mean it passes PyTorch's kernel are live (the per-channel
     tensors of that backward were once missed: 16 B a channel on mobilenet_v2)."""
-    profile = profile_model(small_spec("tests.models_for_tests:bn_chain_net", shape=(3, 2, 2), batch_size=4,
-                                       model_kwargs={"width": 64}), CPU, steps=1)
+    profile = profile_model(
+        small_spec("tests.models_for_tests:bn_chain_net", shape=(3, 2, 2), batch_size=4, model_kwargs={"width": 64}),
+        CPU,
+        steps=1,
+    )
     for chosen in ({0}, {1}, {0, 1}):
-        schedule = build_schedule(profile, {}, budget_bytes=2 * profile.baseline.peak_bytes, budget_spec="x",
-                                  solver=INFO, profile_sha256="", variants=frozenset(chosen))
+        schedule = build_schedule(
+            profile,
+            {},
+            budget_bytes=2 * profile.baseline.peak_bytes,
+            budget_spec="x",
+            solver=INFO,
+            profile_sha256="",
+            variants=frozenset(chosen),
+        )
         report = run_apply(schedule, CPU, steps=1, check=True)
         assert report.measured_peak_bytes == schedule.predicted.peak_bytes, chosen
         assert report.check.ok, chosen
@@ -136,8 +164,9 @@ def test_a_batchnorm_with_a_weight_near_zero_keeps_its_input():
 
     def saved_storages() -> int:
         kept = set()
-        with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.add(t.untyped_storage().data_ptr()) or t,
-                                                      lambda t: t):
+        with torch.autograd.graph.saved_tensors_hooks(
+            lambda t: kept.add(t.untyped_storage().data_ptr()) or t, lambda t: t
+        ):
             conv(act(bn(x * 1)))
         return len(kept - {p.untyped_storage().data_ptr() for p in (*bn.parameters(), *conv.parameters())})
 
@@ -158,14 +187,22 @@ def find_sites_for(bn: torch.nn.Module):
 
 def test_schedules_record_variants_and_refuse_one_inside_a_segment(chain_profile):
     every = frozenset(range(len(chain_profile.variants)))
-    schedule = build_schedule(chain_profile, {}, budget_bytes=chain_profile.baseline.peak_bytes, budget_spec="100%",
-                              solver=INFO, profile_sha256="", variants=every)
+    schedule = build_schedule(
+        chain_profile,
+        {},
+        budget_bytes=chain_profile.baseline.peak_bytes,
+        budget_spec="100%",
+        solver=INFO,
+        profile_sha256="",
+        variants=every,
+    )
     assert all(isinstance(v, VariantDecision) for v in schedule.variants)
     assert variants_of(schedule, chain_profile) == every
     assert consistency_problem(schedule) is None
     # The predicted step includes the variants' measured time.
     assert schedule.predicted.step_ms == pytest.approx(
-        chain_profile.baseline.step_ms + sum(v.time_ms for v in chain_profile.variants), abs=1e-3)
+        chain_profile.baseline.step_ms + sum(v.time_ms for v in chain_profile.variants), abs=1e-3
+    )
     from monet_cli.core.schedule import SegmentDecision
 
     inside = SegmentDecision(module="0", call=1, first_op=0, end_op=len(chain_profile.ops), recompute_ms=0.0)
@@ -176,7 +213,7 @@ def test_schedules_record_variants_and_refuse_one_inside_a_segment(chain_profile
 def test_rewrite_keeps_storage_ids_and_adds_temporaries(chain_profile):
     rewritten = with_variants(chain_profile, range(len(chain_profile.variants)))
     assert [s.id for s in rewritten.storages] == list(range(len(rewritten.storages)))
-    temporaries = rewritten.storages[len(chain_profile.storages):]
+    temporaries = rewritten.storages[len(chain_profile.storages) :]
     # Each BatchNorm rebuilds its input and each convolution its activation, once per step.
     assert len(temporaries) == 4 and all(t.kind == "temp" for t in temporaries)
 
@@ -198,9 +235,11 @@ def test_cli_solve_inspect_and_no_variants(chain_profile, tmp_path, monkeypatch)
     checked = runner.invoke(app, ["validate", "v.yaml", "--json"])
     assert checked.exit_code == 0, checked.output
     assert {"name": "variant modules", "status": "passed"}.items() <= next(
-        c for c in json.loads(checked.stdout)["checks"] if c["name"] == "variant modules").items()
-    plain = runner.invoke(app, ["solve", str(path), "--budget", budget, "--no-variants", "--workers", "1",
-                                "-o", "plain.yaml"])
+        c for c in json.loads(checked.stdout)["checks"] if c["name"] == "variant modules"
+    ).items()
+    plain = runner.invoke(
+        app, ["solve", str(path), "--budget", budget, "--no-variants", "--workers", "1", "-o", "plain.yaml"]
+    )
     assert plain.exit_code == 3 and "below the smallest peak" in plain.stderr, plain.output
     loose = runner.invoke(app, ["solve", str(path), "--budget", "100%", "--no-variants", "--json", "-o", "loose.yaml"])
     assert json.loads(loose.stdout)["variants"] == 0 and json.loads(loose.stdout)["tolerance"] is None
@@ -217,8 +256,15 @@ def test_a_max_pooling_keeps_one_byte_offsets_and_stays_bit_exact(pool_profile):
     pooled = 4 * 8 * 16 * 16
     assert site.saved_bytes == pooled  # uint8 offsets, where PyTorch keeps the input and int64 indices
     assert site.native_saved_bytes == pooled * 8 + 4 * pooled * 4
-    schedule = build_schedule(pool_profile, {}, budget_bytes=pool_profile.baseline.peak_bytes, budget_spec="100%",
-                              solver=INFO, profile_sha256="", variants=frozenset({0}))
+    schedule = build_schedule(
+        pool_profile,
+        {},
+        budget_bytes=pool_profile.baseline.peak_bytes,
+        budget_spec="100%",
+        solver=INFO,
+        profile_sha256="",
+        variants=frozenset({0}),
+    )
     assert schedule.tolerance() is None and schedule.variants[0].rtol == 0.0
     report = run_apply(schedule, CPU, steps=1, check=True)
     assert report.measured_peak_bytes == schedule.predicted.peak_bytes
@@ -241,8 +287,10 @@ def test_subclasses_that_do_more_in_their_forward_are_not_offered():
             return torch.relu(super().forward(x))
 
     site = VariantSite(impl="bn_output", ops=(1, 2, 3), modules=("0", "1", "2"))
-    for model in (torch.nn.Sequential(BatchNormAct(4), torch.nn.ReLU(), torch.nn.Conv2d(4, 4, 1)),
-                  torch.nn.Sequential(torch.nn.BatchNorm2d(4), torch.nn.ReLU(), torch.nn.Conv2d(4, 4, 3, padding="same"))):
+    for model in (
+        torch.nn.Sequential(BatchNormAct(4), torch.nn.ReLU(), torch.nn.Conv2d(4, 4, 1)),
+        torch.nn.Sequential(torch.nn.BatchNorm2d(4), torch.nn.ReLU(), torch.nn.Conv2d(4, 4, 3, padding="same")),
+    ):
         assert "is not" in variant_ready(model, site)
     plain = torch.nn.Sequential(torch.nn.BatchNorm2d(4), torch.nn.ReLU6(), torch.nn.Conv2d(4, 4, 3, padding=1))
     assert variant_ready(plain, site) == ""
@@ -252,8 +300,15 @@ def test_a_profile_without_the_schedules_variants_is_a_usage_error(chain_profile
     from monet_cli.errors import UsageError
 
     every = frozenset(range(len(chain_profile.variants)))
-    schedule = build_schedule(chain_profile, {}, budget_bytes=chain_profile.baseline.peak_bytes, budget_spec="100%",
-                              solver=INFO, profile_sha256="", variants=every)
+    schedule = build_schedule(
+        chain_profile,
+        {},
+        budget_bytes=chain_profile.baseline.peak_bytes,
+        budget_spec="100%",
+        solver=INFO,
+        profile_sha256="",
+        variants=every,
+    )
     older = dataclasses.replace(chain_profile, variants=())
     with pytest.raises(UsageError, match="offers no operator variant or offload at '1'"):
         variants_of(schedule, older)

@@ -40,10 +40,17 @@ def report_json(report) -> dict[str, Any]:
 def check_json(check) -> dict[str, Any]:
     """How gradients were compared: ``exact`` bits under deterministic algorithms, or within
     ``rtol``/``atol`` because of ``nondeterministic``."""
-    return {"mode": check.mode, "rtol": check.rtol, "atol": check.atol, "nondeterministic": check.nondeterministic,
-            "max_grad_diff": check.max_grad_diff, "max_relative_diff": check.max_relative_diff,
-            "variants": list(check.variants), "params_match": check.params_match,
-            "buffers_match": check.buffers_match}
+    return {
+        "mode": check.mode,
+        "rtol": check.rtol,
+        "atol": check.atol,
+        "nondeterministic": check.nondeterministic,
+        "max_grad_diff": check.max_grad_diff,
+        "max_relative_diff": check.max_relative_diff,
+        "variants": list(check.variants),
+        "params_match": check.params_match,
+        "buffers_match": check.buffers_match,
+    }
 
 
 def report_table(report, schedule_path: str):
@@ -56,15 +63,25 @@ def report_table(report, schedule_path: str):
     table.add_row("budget", str(report.budget_bytes), format_bytes(report.budget_bytes))
     table.add_row("predicted peak", str(report.predicted_peak_bytes), format_bytes(report.predicted_peak_bytes))
     verdict = "[green]within budget[/green]" if report.within_budget else "[red]OVER BUDGET[/red]"
-    table.add_row("measured peak", str(report.measured_peak_bytes), f"{format_bytes(report.measured_peak_bytes)} {verdict}")
+    table.add_row(
+        "measured peak", str(report.measured_peak_bytes), f"{format_bytes(report.measured_peak_bytes)} {verdict}"
+    )
     table.add_row("baseline peak", str(report.baseline_peak_bytes), format_bytes(report.baseline_peak_bytes))
     table.add_row("prediction error", "", f"{100 * report.prediction_error:+.2f}% of measured")
     overhead = report.step_ms / report.baseline_step_ms - 1 if report.baseline_step_ms else 0.0
-    table.add_row("step time", "", f"{report.step_ms:.1f} ms vs {report.baseline_step_ms:.1f} ms ({100 * overhead:+.1f}%)")
+    table.add_row(
+        "step time", "", f"{report.step_ms:.1f} ms vs {report.baseline_step_ms:.1f} ms ({100 * overhead:+.1f}%)"
+    )
     if report.check is not None:
         c = report.check
-        status = ("[green]equal[/green]" if c.mode == "exact" else "[green]close[/green]") if c.ok else "[red]DIFFER[/red]"
-        table.add_row("gradients", "", f"{status} (max |diff| {c.max_grad_diff:.2e}; params {c.params_match}, BN buffers {c.buffers_match})")
+        status = (
+            ("[green]equal[/green]" if c.mode == "exact" else "[green]close[/green]") if c.ok else "[red]DIFFER[/red]"
+        )
+        table.add_row(
+            "gradients",
+            "",
+            f"{status} (max |diff| {c.max_grad_diff:.2e}; params {c.params_match}, BN buffers {c.buffers_match})",
+        )
         table.add_row("compared", "", c.describe())
     return table
 
@@ -85,8 +102,14 @@ def run(args: ApplyArgs) -> None:
     if args.timeline is not None and device.type != "cpu":
         raise UsageError("--timeline records the measured step with the CPU meter; use --device cpu")
     with stderr.status("applying ...") as status:
-        report = run_apply(schedule, device, steps=args.steps, check=args.check, timeline=args.timeline is not None,
-                           progress=lambda label: status.update(f"apply: {label}"))
+        report = run_apply(
+            schedule,
+            device,
+            steps=args.steps,
+            check=args.check,
+            timeline=args.timeline is not None,
+            progress=lambda label: status.update(f"apply: {label}"),
+        )
     if args.timeline is not None:
         write_measured_timeline(args.timeline, schedule, report, args.profile)
         stderr.print(f"[green]wrote[/green] {args.timeline}")
@@ -114,13 +137,19 @@ def write_measured_timeline(path: Path, schedule, report, profile_path: Path | N
     from monet_cli.core.segments import SegmentModel
     from monet_cli.core.solver.linear import live_series
 
-    series = [Series(label="no checkpointing (measured)", values=report.baseline_timeline),
-              Series(label=f"schedule {schedule.budget_spec} (measured)", values=report.timeline)]
+    series = [
+        Series(label="no checkpointing (measured)", values=report.baseline_timeline),
+        Series(label=f"schedule {schedule.budget_spec} (measured)", values=report.timeline),
+    ]
     found = find_profile(schedule, profile_path)
     if found is not None:
         model = SegmentModel(found[0])
-        series.append(Series(label=f"schedule {schedule.budget_spec} (predicted)",
-                             values=live_series(model, plan_of(schedule, model), variants_of(schedule, found[0]))))
+        series.append(
+            Series(
+                label=f"schedule {schedule.budget_spec} (predicted)",
+                values=live_series(model, plan_of(schedule, model), variants_of(schedule, found[0])),
+            )
+        )
     else:
         stderr.print("note: the schedule's profile is not in configs/ (or --profile): no predicted line")
     write_timeline(path, f"{schedule.model.name}: live memory over one step", series, schedule.budget_bytes)

@@ -86,9 +86,15 @@ def estimate(profile: Profile, source: str, fits: str | None, *, time_limit_s: f
             verdict = "does-not-fit"
     m = profile.memory
     return Estimate(
-        source=source, param_bytes=m.param_bytes, grad_bytes=m.grad_bytes, optimizer_state_bytes=m.optimizer_state_bytes,
-        saved_activation_bytes=m.saved_activation_bytes, baseline_peak_bytes=profile.baseline.peak_bytes,
-        min_peak_bytes=minimum.peak_bytes, capacity_bytes=cap, verdict=verdict,
+        source=source,
+        param_bytes=m.param_bytes,
+        grad_bytes=m.grad_bytes,
+        optimizer_state_bytes=m.optimizer_state_bytes,
+        saved_activation_bytes=m.saved_activation_bytes,
+        baseline_peak_bytes=profile.baseline.peak_bytes,
+        min_peak_bytes=minimum.peak_bytes,
+        capacity_bytes=cap,
+        verdict=verdict,
     )
 
 
@@ -99,8 +105,10 @@ def verdict_line(result: Estimate) -> str | None:
     if result.verdict == "fits":
         return f"fits in {cap} as it is (peak {format_bytes(result.baseline_peak_bytes)})"
     if result.verdict == "fits-with-schedule":
-        return (f"fits in {cap} only with a schedule (baseline {format_bytes(result.baseline_peak_bytes)}, "
-                f"smallest reachable {format_bytes(result.min_peak_bytes)}): run monet solve --budget {cap.replace(' ', '')}")
+        return (
+            f"fits in {cap} only with a schedule (baseline {format_bytes(result.baseline_peak_bytes)}, "
+            f"smallest reachable {format_bytes(result.min_peak_bytes)}): run monet solve --budget {cap.replace(' ', '')}"
+        )
     return f"does not fit in {cap}: the smallest peak any schedule reaches is {format_bytes(result.min_peak_bytes)}"
 
 

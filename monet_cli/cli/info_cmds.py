@@ -36,9 +36,15 @@ def environment() -> EnvReport:
 
     info = device_info(resolve_device("auto"))
     return EnvReport(
-        monet=__version__, torch=str(torch.__version__), torchvision=str(torchvision.__version__),
-        ortools=ortools.__version__, python=platform.python_version(), platform=platform.platform(),
-        device=info.type, device_name=info.name, device_memory_bytes=info.total_memory_bytes,
+        monet=__version__,
+        torch=str(torch.__version__),
+        torchvision=str(torchvision.__version__),
+        ortools=ortools.__version__,
+        python=platform.python_version(),
+        platform=platform.platform(),
+        device=info.type,
+        device_name=info.name,
+        device_memory_bytes=info.total_memory_bytes,
         cuda=torch.version.cuda if torch.cuda.is_available() else None,
     )
 
@@ -68,8 +74,10 @@ def _workload(schedule: Schedule, model_spec: str | None, device):
 
     spec = schedule.model
     if model_spec is not None:
-        spec = resolve_model_spec(model_spec, Overrides(batch_size=spec.batch_size, inputs=spec.inputs, loss=spec.loss,
-                                                        precision=spec.precision))
+        spec = resolve_model_spec(
+            model_spec,
+            Overrides(batch_size=spec.batch_size, inputs=spec.inputs, loss=spec.loss, precision=spec.precision),
+        )
     return run_checked(lambda: build_workload(spec, device), "building the model")
 
 
@@ -113,8 +121,13 @@ def _variant_modules(schedule: Schedule, workload) -> list[Check]:
     problems = [f"{v.module}: {problem}" for v in schedule.variants if (problem := variant_ready(workload.model, v))]
     if problems:
         return [Check(name="variant modules", status="failed", detail="; ".join(problems[:3]))]
-    return [Check(name="variant modules", status="passed",
-                  detail=f"all {len(schedule.variants)} variants can run in the model")]
+    return [
+        Check(
+            name="variant modules",
+            status="passed",
+            detail=f"all {len(schedule.variants)} variants can run in the model",
+        )
+    ]
 
 
 def _modules_check(schedule: Schedule, workload) -> Check:
@@ -139,8 +152,12 @@ def validate(path: Path, model_spec: str | None) -> Validation:
     made_on = schedule.fingerprint.device_type
     here = made_on == "cpu" or torch.cuda.is_available()
     workload = _workload(schedule, model_spec, resolve_device(made_on if here else "cpu"))
-    checks += [_modules_check(schedule, workload), _segment_modules(schedule, workload),
-               *_variant_modules(schedule, workload), *_offload_modules(schedule, workload)]
+    checks += [
+        _modules_check(schedule, workload),
+        _segment_modules(schedule, workload),
+        *_variant_modules(schedule, workload),
+        *_offload_modules(schedule, workload),
+    ]
     found = {}
     if here:
         fingerprint = model_fingerprint(workload)
@@ -150,9 +167,13 @@ def validate(path: Path, model_spec: str | None) -> Validation:
         checks += _checks_without_the_device(schedule, workload)
     failed = [c for c in checks if c.status == "failed"]
     return Validation(
-        schedule=str(path), model=model_spec or schedule.model.spec, ok=not failed,
+        schedule=str(path),
+        model=model_spec or schedule.model.spec,
+        ok=not failed,
         problem=f"{failed[0].name}: {failed[0].detail}" if failed else None,
-        expected=asdict(schedule.fingerprint), found=found, checks=tuple(checks),
+        expected=asdict(schedule.fingerprint),
+        found=found,
+        checks=tuple(checks),
     )
 
 
@@ -172,27 +193,61 @@ def _checks_without_the_device(schedule: Schedule, workload) -> list[Check]:
     expected = schedule.fingerprint
     checks = []
     if expected.torch != torch_version():
-        checks.append(Check(name="torch version", status="not checked", detail=(
-            f"made with torch {expected.torch}, this is {torch_version()}: the GPU machine must run {expected.torch}")))
+        checks.append(
+            Check(
+                name="torch version",
+                status="not checked",
+                detail=(
+                    f"made with torch {expected.torch}, this is {torch_version()}: the GPU machine must run {expected.torch}"
+                ),
+            )
+        )
     args, kwargs = workload.call_args()
     try:
         found = fake_cuda_fingerprint(workload.model, args, kwargs, workload.spec.precision)
     except Exception as err:  # whatever stops fake tensors, the check is not made; say why
-        checks.append(Check(name="ops and shapes", status="not checked",
-                            detail=f"fake CUDA tensors cannot run this model here ({type(err).__name__}: {err})"))
+        checks.append(
+            Check(
+                name="ops and shapes",
+                status="not checked",
+                detail=f"fake CUDA tensors cannot run this model here ({type(err).__name__}: {err})",
+            )
+        )
     else:
         if found.structure == expected.structure and found.shapes != expected.shapes:
-            checks.append(Check(name="ops and shapes", status="failed",
-                                detail="the model's shapes differ (fake CUDA tensors, same ops)"))
+            checks.append(
+                Check(
+                    name="ops and shapes",
+                    status="failed",
+                    detail="the model's shapes differ (fake CUDA tensors, same ops)",
+                )
+            )
         elif found.structure == expected.structure:
-            checks.append(Check(name="ops and shapes", status="passed",
-                                detail="same op sequence and shapes (fake CUDA tensors, no GPU)"))
+            checks.append(
+                Check(
+                    name="ops and shapes",
+                    status="passed",
+                    detail="same op sequence and shapes (fake CUDA tensors, no GPU)",
+                )
+            )
         else:
-            checks.append(Check(name="ops and shapes", status="not checked", detail=(
-                "fake CUDA tensors ran other ops than the profiled GPU: PyTorch picks some kernels (fused "
-                "attention) by asking the GPU, so this cannot tell a changed model from a kernel choice")))
-    checks.append(Check(name="memory, time and gradients", status="not checked",
-                        detail="need the GPU: run monet apply --check there"))
+            checks.append(
+                Check(
+                    name="ops and shapes",
+                    status="not checked",
+                    detail=(
+                        "fake CUDA tensors ran other ops than the profiled GPU: PyTorch picks some kernels (fused "
+                        "attention) by asking the GPU, so this cannot tell a changed model from a kernel choice"
+                    ),
+                )
+            )
+    checks.append(
+        Check(
+            name="memory, time and gradients",
+            status="not checked",
+            detail="need the GPU: run monet apply --check there",
+        )
+    )
     return checks
 
 

@@ -64,30 +64,45 @@ def profile_report(profile: Profile, path: Path) -> dict[str, Any]:
     slow = sorted(profile.ops, key=lambda op: -op.time_ms)[:TOP]
     model = SegmentModel(profile)
     return {
-        "file": str(path), "kind": profile.kind, "model": asdict(profile.model), "device": asdict(profile.device),
-        "env": asdict(profile.env), "fingerprint": asdict(profile.fingerprint), "baseline": asdict(profile.baseline),
+        "file": str(path),
+        "kind": profile.kind,
+        "model": asdict(profile.model),
+        "device": asdict(profile.device),
+        "env": asdict(profile.env),
+        "fingerprint": asdict(profile.fingerprint),
+        "baseline": asdict(profile.baseline),
         "memory": asdict(profile.memory),
-        "forward_ops": len(profile.ops), "backward_ops": len(profile.backward),
+        "forward_ops": len(profile.ops),
+        "backward_ops": len(profile.backward),
         "segments": sum(c.checkpointable for c in profile.calls),
         "chains": [[call.fqn for call in run] for run in sibling_chains(profile)],
         "ranges": len(model.ranges),
         # Calls that run no ops would never be worth a segment: listing them is noise.
-        "not_checkpointable": [{"module": c.fqn or "<model>", "reason": c.reason} for c in profile.calls
-                               if c.reason and c.end_op > c.first_op],
+        "not_checkpointable": [
+            {"module": c.fqn or "<model>", "reason": c.reason}
+            for c in profile.calls
+            if c.reason and c.end_op > c.first_op
+        ],
         "top_memory_at_peak": top_holders(model, {}),
-        "slowest_ops": [{"index": op.index, "op": op.op, "module": op.module or LOSS_MODULE, "time_ms": op.time_ms}
-                        for op in slow],
+        "slowest_ops": [
+            {"index": op.index, "op": op.op, "module": op.module or LOSS_MODULE, "time_ms": op.time_ms} for op in slow
+        ],
         "variant_sites": [_variant_row(v, v) for v in profile.variants],
         "transfer": None if profile.transfer is None else asdict(profile.transfer),
-        "offload_sites": [{"module": v.module, "bytes": v.native_saved_bytes, "time_ms": v.time_ms}
-                          for v in model.profile.variants if v.impl == "offload"],
+        "offload_sites": [
+            {"module": v.module, "bytes": v.native_saved_bytes, "time_ms": v.time_ms}
+            for v in model.profile.variants
+            if v.impl == "offload"
+        ],
     }
 
 
 def _variant_row(site: Any, measured: Any | None) -> dict[str, Any]:
     """One operator variant: where it runs and, from the profile's measurement, what it saves."""
     return {
-        "impl": site.impl, "module": site.module, "modules": list(site.modules),
+        "impl": site.impl,
+        "module": site.module,
+        "modules": list(site.modules),
         "saves_bytes": None if measured is None else measured.native_saved_bytes - measured.saved_bytes,
         "time_ms": site.time_ms,
     }
@@ -101,18 +116,30 @@ def schedule_report(schedule: Schedule, path: Path, profile: Profile | None) -> 
     measured = {} if profile is None else {(v.impl, v.ops): v for v in profile.variants}
     kept = schedule.kept()
     segments = [
-        {"module": s.module, "chain": list(s.chain), "within": s.within, "calls": list(s.calls),
-         "nested_in": nested_in.get(s.module), "ops": s.end_op - s.first_op,
-         "recompute_ms": s.recompute_ms,
-         "kept": [f"{k.op}#{k.occurrence}" for k in schedule.kept_in(s.module)],
-         "recomputed": None if saved is None else len(saved[s.call] - kept[s.call])}
+        {
+            "module": s.module,
+            "chain": list(s.chain),
+            "within": s.within,
+            "calls": list(s.calls),
+            "nested_in": nested_in.get(s.module),
+            "ops": s.end_op - s.first_op,
+            "recompute_ms": s.recompute_ms,
+            "kept": [f"{k.op}#{k.occurrence}" for k in schedule.kept_in(s.module)],
+            "recomputed": None if saved is None else len(saved[s.call] - kept[s.call]),
+        }
         for s in schedule.segments
     ]
     report = {
-        "file": str(path), "kind": schedule.kind, "model": asdict(schedule.model),
-        "device_type": schedule.fingerprint.device_type, "env": asdict(schedule.env),
-        "budget_bytes": schedule.budget_bytes, "budget_spec": schedule.budget_spec,
-        "predicted": asdict(schedule.predicted), "solver": asdict(schedule.solver), "segments": segments,
+        "file": str(path),
+        "kind": schedule.kind,
+        "model": asdict(schedule.model),
+        "device_type": schedule.fingerprint.device_type,
+        "env": asdict(schedule.env),
+        "budget_bytes": schedule.budget_bytes,
+        "budget_spec": schedule.budget_spec,
+        "predicted": asdict(schedule.predicted),
+        "solver": asdict(schedule.solver),
+        "segments": segments,
         "variants": [_variant_row(v, measured.get((v.impl, v.ops))) for v in schedule.variants],
         "offloads": [{"module": o.module, "bytes": o.bytes, "time_ms": o.time_ms} for o in schedule.offloads],
         "tolerance": schedule.tolerance(),
@@ -145,8 +172,10 @@ def timeline(target: Profile | Schedule, profile: Profile | None, out: Path) -> 
     plan = plan_of(target, model)
     series = [
         Series(label="no checkpointing (predicted)", values=live_series(model, {})),
-        Series(label=f"schedule {target.budget_spec} (predicted)",
-               values=live_series(model, plan, variants_of(target, profile))),
+        Series(
+            label=f"schedule {target.budget_spec} (predicted)",
+            values=live_series(model, plan, variants_of(target, profile)),
+        ),
     ]
     write_timeline(out, f"{target.model.name}: live memory over one step", series, target.budget_bytes)
 

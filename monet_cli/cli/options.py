@@ -29,8 +29,10 @@ Device = Annotated[str, typer.Option(help="auto (CUDA when present), cpu, cuda o
 OptimizerName = Annotated[Optional[str], typer.Option(help="sgd (lr 0.01, momentum 0.9), adamw or none. Default: sgd.")]
 PrecisionOption = Annotated[
     Optional[str],
-    typer.Option(help="32, bf16-mixed or fp16-mixed (forward and loss under torch.autocast; fp16 with a GradScaler). "
-                 "Default: 32."),
+    typer.Option(
+        help="32, bf16-mixed or fp16-mixed (forward and loss under torch.autocast; fp16 with a GradScaler). "
+        "Default: 32."
+    ),
 ]
 ModelArg = Annotated[
     Optional[list[str]],

@@ -48,8 +48,11 @@ def parse_inputs(shapes: list[str], dtypes: list[str], value_range: str | None) 
         is_int = dtype.startswith("int") or dtype == "long"
         if value_range and not is_int:
             raise UsageError(f"--input-range applies to integer inputs; input {i + 1} is {dtype}")
-        specs.append(InputSpec(shape=parse_input_shape(shape), dtype=dtype, low=low if is_int else None,
-                               high=high if is_int else None))
+        specs.append(
+            InputSpec(
+                shape=parse_input_shape(shape), dtype=dtype, low=low if is_int else None, high=high if is_int else None
+            )
+        )
     return tuple(specs)
 
 

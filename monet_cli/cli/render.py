@@ -73,8 +73,10 @@ def rerun_note(profile: Profile) -> str | None:
     differ = [c for c in profile.calls if c.reason.startswith("re-running")]
     if not differ:
         return None
-    return (f"note: {len(differ)} module call(s) cannot be checkpointed, e.g. {differ[0].fqn}: {differ[0].reason} "
-            "(monet inspect on the profile lists them all)")
+    return (
+        f"note: {len(differ)} module call(s) cannot be checkpointed, e.g. {differ[0].fqn}: {differ[0].reason} "
+        "(monet inspect on the profile lists them all)"
+    )
 
 
 def profile_table(profile: Profile, path: str) -> Table:
@@ -93,7 +95,10 @@ def profile_table(profile: Profile, path: str) -> Table:
         ("baseline peak", format_bytes(profile.baseline.peak_bytes) + f"  ({profile.baseline.meter})"),
         ("simulated peak", _simulated_baseline(profile)),
         ("step time", _step_time(profile)),
-        ("op times", f"{profile.op_ms_sum:.1f} ms summed, {_ratio(profile.op_ms_sum, profile.baseline.step_ms)} of the step"),
+        (
+            "op times",
+            f"{profile.op_ms_sum:.1f} ms summed, {_ratio(profile.op_ms_sum, profile.baseline.step_ms)} of the step",
+        ),
         ("parameters", format_bytes(mem.param_bytes)),
         ("gradients", format_bytes(mem.grad_bytes)),
         ("optimizer state", format_bytes(mem.optimizer_state_bytes)),
@@ -144,15 +149,25 @@ def schedule_table(schedule: Schedule, path: str) -> Table:
     rows = [
         ("budget", f"{format_bytes(schedule.budget_bytes)}  ({schedule.budget_spec})"),
         ("predicted peak", f"{format_bytes(pred.peak_bytes)}  (baseline {format_bytes(pred.baseline_peak_bytes)})"),
-        ("predicted step", f"{pred.step_ms:.1f} ms  (baseline {pred.baseline_step_ms:.1f} ms{_preparation(pred.preparation_ms)}, "
-                           f"overhead {100 * pred.overhead:+.1f}%)"),
-        ("segments", f"{len(schedule.segments)} checkpointed ({len(schedule.chains)} "
-                     f"chains of sibling calls, {len(schedule.ranges)} op ranges), {kept} op outputs kept"),
+        (
+            "predicted step",
+            f"{pred.step_ms:.1f} ms  (baseline {pred.baseline_step_ms:.1f} ms{_preparation(pred.preparation_ms)}, "
+            f"overhead {100 * pred.overhead:+.1f}%)",
+        ),
+        (
+            "segments",
+            f"{len(schedule.segments)} checkpointed ({len(schedule.chains)} "
+            f"chains of sibling calls, {len(schedule.ranges)} op ranges), {kept} op outputs kept",
+        ),
         ("variants", _variants_line(schedule)),
         ("offloads", _offloads_line(schedule)),
         ("solver", f"{solver.method}: {solver.status}"),
-        ("objective / bound", "-" if solver.objective is None
-         else f"{solver.objective:.3f} / {'-' if solver.bound is None else f'{solver.bound:.3f}'} ms recompute"),
+        (
+            "objective / bound",
+            "-"
+            if solver.objective is None
+            else f"{solver.objective:.3f} / {'-' if solver.bound is None else f'{solver.bound:.3f}'} ms recompute",
+        ),
         ("gap", _gap(solver.gap, solver.gap_limit)),
         ("time", f"{solver.time_s:.2f} s, {solver.workers} worker(s), seed {solver.seed}"),
         ("written to", path),
@@ -188,7 +203,9 @@ def print_pairs(title: str, data: dict[str, Any]) -> None:
     table.add_column("what", style="bold")
     table.add_column("value")
     for key, value in data.items():
-        shown = format_bytes(value) + f" ({value} bytes)" if key.endswith("_bytes") and isinstance(value, int) else value
+        shown = (
+            format_bytes(value) + f" ({value} bytes)" if key.endswith("_bytes") and isinstance(value, int) else value
+        )
         table.add_row(key, "-" if shown is None else str(shown))
     Console().print(table)
 
@@ -197,20 +214,35 @@ def inspect_tables(report: dict[str, Any]) -> None:
     """Human view of ``monet inspect``'s report."""
     console = Console()
     model = report["model"]
-    head = {"file": report["file"], "kind": report["kind"], "model": f"{model['spec']} ({model['target']})",
-            "batch": f"{model['batch_size']} x {describe_inputs(model['inputs'])}", "precision": model["precision"]}
+    head = {
+        "file": report["file"],
+        "kind": report["kind"],
+        "model": f"{model['spec']} ({model['target']})",
+        "batch": f"{model['batch_size']} x {describe_inputs(model['inputs'])}",
+        "precision": model["precision"],
+    }
     if report["kind"] == "monet.profile":
-        head.update({"device": f"{report['device']['type']} ({report['device']['name']})",
-                     "torch": report["env"]["torch"], "baseline peak": format_bytes(report["baseline"]["peak_bytes"]),
-                     "step time": f"{report['baseline']['step_ms']:.1f} ms",
-                     "ops": f"{report['forward_ops']} forward, {report['backward_ops']} backward+optimizer"})
+        head.update(
+            {
+                "device": f"{report['device']['type']} ({report['device']['name']})",
+                "torch": report["env"]["torch"],
+                "baseline peak": format_bytes(report["baseline"]["peak_bytes"]),
+                "step time": f"{report['baseline']['step_ms']:.1f} ms",
+                "ops": f"{report['forward_ops']} forward, {report['backward_ops']} backward+optimizer",
+            }
+        )
     else:
         pred = report["predicted"]
-        head.update({"device": report["device_type"], "torch": report["env"]["torch"],
-                     "budget": f"{format_bytes(report['budget_bytes'])} ({report['budget_spec']})",
-                     "predicted peak": f"{format_bytes(pred['peak_bytes'])} (baseline {format_bytes(pred['baseline_peak_bytes'])})",
-                     "overhead": f"{100 * pred['overhead']:+.1f}% ({pred['step_ms']:.1f} ms vs {pred['baseline_step_ms']:.1f} ms)",
-                     "solver": f"{report['solver']['method']}: {report['solver']['status']}"})
+        head.update(
+            {
+                "device": report["device_type"],
+                "torch": report["env"]["torch"],
+                "budget": f"{format_bytes(report['budget_bytes'])} ({report['budget_spec']})",
+                "predicted peak": f"{format_bytes(pred['peak_bytes'])} (baseline {format_bytes(pred['baseline_peak_bytes'])})",
+                "overhead": f"{100 * pred['overhead']:+.1f}% ({pred['step_ms']:.1f} ms vs {pred['baseline_step_ms']:.1f} ms)",
+                "solver": f"{report['solver']['method']}: {report['solver']['status']}",
+            }
+        )
     table = Table(show_header=False)
     for key, value in head.items():
         table.add_row(key, str(value))
@@ -221,19 +253,32 @@ def inspect_tables(report: dict[str, Any]) -> None:
             seg.add_column(column)
         for s in report["segments"]:
             module = s["module"] if s["within"] is None else f"{s['module']}: {', '.join(s['calls'])} and its own ops"
-            seg.add_row(module, s["nested_in"] or "-", str(s["ops"]), ", ".join(s["kept"]) or "-",
-                        "-" if s["recomputed"] is None else str(s["recomputed"]), f"{s['recompute_ms']:.2f}")
+            seg.add_row(
+                module,
+                s["nested_in"] or "-",
+                str(s["ops"]),
+                ", ".join(s["kept"]) or "-",
+                "-" if s["recomputed"] is None else str(s["recomputed"]),
+                f"{s['recompute_ms']:.2f}",
+            )
         console.print(seg)
     variants = report.get("variants") or report.get("variant_sites")
     if variants:
-        title = "operator variants" + ("" if report["kind"] == "monet.schedule" else ": where the solver may choose one")
+        title = "operator variants" + (
+            "" if report["kind"] == "monet.schedule" else ": where the solver may choose one"
+        )
         table = Table(title=title, title_justify="left")
         for column in ("variant", "module", "with", "saves", "time"):
             table.add_column(column)
         for v in variants:
             saves = "-" if v["saves_bytes"] is None else format_bytes(v["saves_bytes"])
-            table.add_row(VARIANT_NAMES.get(v["impl"], v["impl"]), v["module"], ", ".join(v["modules"][1:]) or "-",
-                          saves, f"{v['time_ms']:+.2f} ms")
+            table.add_row(
+                VARIANT_NAMES.get(v["impl"], v["impl"]),
+                v["module"],
+                ", ".join(v["modules"][1:]) or "-",
+                saves,
+                f"{v['time_ms']:+.2f} ms",
+            )
         console.print(table)
     offloads = report.get("offloads") or report.get("offload_sites")
     if offloads:

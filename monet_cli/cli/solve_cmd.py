@@ -54,20 +54,39 @@ def schedule_name(profile_path: Path, budget_spec: str) -> str:
 
 
 def solve_profile(
-    profile: Profile, profile_path: Path, budget_spec: str, *, time_limit: float, gap: float, workers: int, seed: int,
-    variants: bool = True, offloads: bool = True, report=lambda message: None,
+    profile: Profile,
+    profile_path: Path,
+    budget_spec: str,
+    *,
+    time_limit: float,
+    gap: float,
+    workers: int,
+    seed: int,
+    variants: bool = True,
+    offloads: bool = True,
+    report=lambda message: None,
 ) -> tuple[Schedule, SolveOutcome]:
     budget = parse_budget(budget_spec, baseline_peak_bytes=profile.baseline.peak_bytes)
     planner = Planner(SegmentModel(profile), variants=variants, offloads=offloads)
-    schedule, outcome = solve_schedule(planner, budget, budget_spec, time_limit_s=time_limit, workers=workers,
-                                       seed=seed, relative_gap=gap, profile_sha256=file_sha256(profile_path),
-                                       report=report)
+    schedule, outcome = solve_schedule(
+        planner,
+        budget,
+        budget_spec,
+        time_limit_s=time_limit,
+        workers=workers,
+        seed=seed,
+        relative_gap=gap,
+        profile_sha256=file_sha256(profile_path),
+        report=report,
+    )
     if schedule is None:
         _explain_failure(planner, outcome, budget, time_limit, workers, seed)
     return schedule, outcome
 
 
-def _explain_failure(planner: Planner, outcome: SolveOutcome, budget: int, time_limit: float, workers: int, seed: int) -> None:
+def _explain_failure(
+    planner: Planner, outcome: SolveOutcome, budget: int, time_limit: float, workers: int, seed: int
+) -> None:
     if outcome.status == "UNKNOWN":
         raise NoSolutionError(
             f"no schedule within {format_bytes(budget)} found (time limit {time_limit:g} s, "
@@ -82,8 +101,14 @@ def _explain_failure(planner: Planner, outcome: SolveOutcome, budget: int, time_
 
 
 _KIND_NAMES = {
-    "param": "parameters", "grad": "gradients", "optimizer": "optimizer state", "activation": "activations",
-    "temp": "backward temporaries", "recomputed": "recomputed activations", "input": "inputs", "buffer": "buffers",
+    "param": "parameters",
+    "grad": "gradients",
+    "optimizer": "optimizer state",
+    "activation": "activations",
+    "temp": "backward temporaries",
+    "recomputed": "recomputed activations",
+    "input": "inputs",
+    "buffer": "buffers",
     "workspace": "op workspaces (CUDA)",
 }
 
@@ -145,13 +170,23 @@ def run(args: SolveArgs) -> None:
 
     profile_path, profile, workers = _inputs(args)
     budget = parse_budget(args.budget, baseline_peak_bytes=profile.baseline.peak_bytes)
-    stderr.print(f"budget: {args.budget} = {describe_bytes(budget)}; baseline peak {format_bytes(profile.baseline.peak_bytes)}")
+    stderr.print(
+        f"budget: {args.budget} = {describe_bytes(budget)}; baseline peak {format_bytes(profile.baseline.peak_bytes)}"
+    )
     output = args.output or Path("schedules") / schedule_name(profile_path, args.budget)
     check_writable(output)
     with stderr.status("solving ...") as status:
         schedule, _ = solve_profile(
-            profile, profile_path, args.budget, time_limit=args.time_limit, workers=workers, seed=args.seed,
-            gap=args.gap, variants=args.variants, offloads=args.offloads, report=lambda message: _show(status, message),
+            profile,
+            profile_path,
+            args.budget,
+            time_limit=args.time_limit,
+            workers=workers,
+            seed=args.seed,
+            gap=args.gap,
+            variants=args.variants,
+            offloads=args.offloads,
+            report=lambda message: _show(status, message),
         )
     save_schedule(schedule, output)
     if args.json_output:
@@ -204,9 +239,17 @@ def run_sweep(args: SolveArgs, sweep: str, plot: Path | None) -> None:
         for spec in budgets:
             budget = parse_budget(spec, baseline_peak_bytes=profile.baseline.peak_bytes)
             status.update(f"solving {spec} ({format_bytes(budget)})")
-            schedule, outcome = solve_schedule(planner, budget, spec, time_limit_s=args.time_limit, workers=workers,
-                                               seed=args.seed, relative_gap=args.gap, hint=hint,
-                                               profile_sha256=file_sha256(profile_path))
+            schedule, outcome = solve_schedule(
+                planner,
+                budget,
+                spec,
+                time_limit_s=args.time_limit,
+                workers=workers,
+                seed=args.seed,
+                relative_gap=args.gap,
+                hint=hint,
+                profile_sha256=file_sha256(profile_path),
+            )
             if schedule is None:
                 rows.append({"budget_spec": spec, "budget_bytes": budget, "status": outcome.status, "schedule": None})
                 break  # tighter budgets cannot do better
@@ -228,12 +271,19 @@ def run_sweep(args: SolveArgs, sweep: str, plot: Path | None) -> None:
         overhead = f"{100 * row['overhead']:+.1f}%" if row.get("schedule") else "-"
         if row.get("non_monotonic"):
             overhead += " (!)"
-        table.add_row(f"{row['budget_spec']} = {format_bytes(row['budget_bytes'])}", peak, overhead, row["status"],
-                      row.get("schedule") or "infeasible")
+        table.add_row(
+            f"{row['budget_spec']} = {format_bytes(row['budget_bytes'])}",
+            peak,
+            overhead,
+            row["status"],
+            row.get("schedule") or "infeasible",
+        )
     Console().print(table)
     if any(row.get("non_monotonic") for row in rows):
-        stderr.print("(!) a tighter budget predicts less overhead than a looser one: the looser solve did not "
-                     "reach its optimum; raise --time-limit")
+        stderr.print(
+            "(!) a tighter budget predicts less overhead than a looser one: the looser solve did not "
+            "reach its optimum; raise --time-limit"
+        )
 
 
 def flag_non_monotonic(rows: list[dict[str, Any]]) -> None:
@@ -248,5 +298,8 @@ def plot_sweep(rows: list[dict[str, Any]], profile: Profile, path: Path) -> None
     from monet_cli.cli.timeline import plot_points
 
     solved = [r for r in rows if r.get("schedule")]
-    plot_points(path, f"{profile.model.name}: predicted overhead vs peak memory",
-                [(r["predicted_peak_bytes"], r["overhead"], r["budget_spec"]) for r in solved])
+    plot_points(
+        path,
+        f"{profile.model.name}: predicted overhead vs peak memory",
+        [(r["predicted_peak_bytes"], r["overhead"], r["budget_spec"]) for r in solved],
+    )

@@ -40,7 +40,9 @@ def _matplotlib(path: Path, title: str, series: list[Series], budget_bytes: int 
     try:
         import matplotlib
     except ImportError:
-        raise UsageError(f"--timeline {path}: PNG needs matplotlib (pip install 'monet-cli[plot]'), or use .html") from None
+        raise UsageError(
+            f"--timeline {path}: PNG needs matplotlib (pip install 'monet-cli[plot]'), or use .html"
+        ) from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -72,23 +74,31 @@ def _html(title: str, series: list[Series], budget_bytes: int | None) -> str:
     def y(v: int) -> float:
         return height - pad - (height - 2 * pad) * v / top
 
-    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-family="sans-serif" font-size="12">',
-             f'<line x1="{pad}" y1="{height - pad}" x2="{width - pad}" y2="{height - pad}" stroke="#444"/>',
-             f'<line x1="{pad}" y1="{pad}" x2="{pad}" y2="{height - pad}" stroke="#444"/>',
-             f'<text x="{pad}" y="{pad - 10}">{top / MIB:,.1f} MiB</text>',
-             f'<text x="{width / 2 - 150}" y="{height - 15}">progress through the step: forward, backward, optimizer</text>']
+    parts = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-family="sans-serif" font-size="12">',
+        f'<line x1="{pad}" y1="{height - pad}" x2="{width - pad}" y2="{height - pad}" stroke="#444"/>',
+        f'<line x1="{pad}" y1="{pad}" x2="{pad}" y2="{height - pad}" stroke="#444"/>',
+        f'<text x="{pad}" y="{pad - 10}">{top / MIB:,.1f} MiB</text>',
+        f'<text x="{width / 2 - 150}" y="{height - 15}">progress through the step: forward, backward, optimizer</text>',
+    ]
     for n, (s, color) in enumerate(zip(series, _COLORS)):
         points = " ".join(f"{x(i, len(s.values)):.1f},{y(v):.1f}" for i, v in enumerate(s.values))
         parts.append(f'<polyline fill="none" stroke="{color}" stroke-width="1.3" points="{points}"/>')
-        parts.append(f'<text x="{width - pad - 200}" y="{pad + 16 * n}" fill="{color}">{html.escape(s.label)}: peak '
-                     f'{max(s.values, default=0) / MIB:,.1f} MiB</text>')
+        parts.append(
+            f'<text x="{width - pad - 200}" y="{pad + 16 * n}" fill="{color}">{html.escape(s.label)}: peak '
+            f"{max(s.values, default=0) / MIB:,.1f} MiB</text>"
+        )
     if budget_bytes is not None:
-        parts.append(f'<line x1="{pad}" y1="{y(budget_bytes):.1f}" x2="{width - pad}" y2="{y(budget_bytes):.1f}" '
-                     f'stroke="red" stroke-dasharray="6,4"/><text x="{pad + 5}" y="{y(budget_bytes) - 4:.1f}" '
-                     f'fill="red">budget {budget_bytes / MIB:,.1f} MiB</text>')
+        parts.append(
+            f'<line x1="{pad}" y1="{y(budget_bytes):.1f}" x2="{width - pad}" y2="{y(budget_bytes):.1f}" '
+            f'stroke="red" stroke-dasharray="6,4"/><text x="{pad + 5}" y="{y(budget_bytes) - 4:.1f}" '
+            f'fill="red">budget {budget_bytes / MIB:,.1f} MiB</text>'
+        )
     parts.append("</svg>")
-    return (f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title></head>"
-            f"<body><h3>{html.escape(title)}</h3>{''.join(parts)}</body></html>\n")
+    return (
+        f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title></head>"
+        f"<body><h3>{html.escape(title)}</h3>{''.join(parts)}</body></html>\n"
+    )
 
 
 def plot_points(path: Path, title: str, points: list[tuple[int, float, str]]) -> None:

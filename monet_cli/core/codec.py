@@ -108,7 +108,9 @@ class _Reader:
         kind = data["kind"]
         if not isinstance(kind, str) or kind not in kinds:
             known = ", ".join(map(str, kinds))
-            raise self.fail(_join(path, "kind"), f"unknown kind {_short(kind)} (known: {known}; written by a newer monet?)")
+            raise self.fail(
+                _join(path, "kind"), f"unknown kind {_short(kind)} (known: {known}; written by a newer monet?)"
+            )
         return kinds[kind]
 
     def _read_scalar(self, tp: Any, data: Any, path: str) -> Any:
@@ -137,10 +139,7 @@ class _Reader:
         if not isinstance(data, dict):
             raise self.fail(path, f"expected a mapping, got {type(data).__name__}")
         key_tp, value_tp = get_args(tp)
-        return {
-            self.read(key_tp, k, f"{path}.<key>"): self.read(value_tp, v, f"{path}.{k}")
-            for k, v in data.items()
-        }
+        return {self.read(key_tp, k, f"{path}.<key>"): self.read(value_tp, v, f"{path}.{k}") for k, v in data.items()}
 
     def _read_dataclass(self, cls: Any, data: Any, path: str) -> Any:
         if not isinstance(data, dict):

@@ -58,8 +58,9 @@ def _savers(profile: Profile) -> dict[int, set[int]]:
     return savers
 
 
-def movable_storages(profile: Profile, call: ModuleCall, packs: list[int],
-                     savers: dict[int, set[int]] | None = None) -> list[int]:
+def movable_storages(
+    profile: Profile, call: ModuleCall, packs: list[int], savers: dict[int, set[int]] | None = None
+) -> list[int]:
     """The storages an offload of ``call`` moves: activations it makes, saved only by its own
     ``packs``, never written in place, and dropped by Python before the call returns (nothing
     after it reads them: not its outputs)."""
@@ -70,8 +71,11 @@ def movable_storages(profile: Profile, call: ModuleCall, packs: list[int],
         s = profile.storages[sid]
         if not savers[sid] <= ours or s.kind != "activation" or s.producer is None or s.mutated:
             continue
-        if call.first_op <= s.producer < call.end_op and s.free_no_autograd is not None \
-                and s.free_no_autograd <= call.end_op:
+        if (
+            call.first_op <= s.producer < call.end_op
+            and s.free_no_autograd is not None
+            and s.free_no_autograd <= call.end_op
+        ):
             found.append(sid)
     return found
 
@@ -105,8 +109,9 @@ class CallOffload:
         return tuple(first[sid] for sid in self.storages)
 
 
-def plan_offload(profile: Profile, call: ModuleCall, inside: list[set[int]] | None = None,
-                 savers: dict[int, set[int]] | None = None) -> CallOffload | None:
+def plan_offload(
+    profile: Profile, call: ModuleCall, inside: list[set[int]] | None = None, savers: dict[int, set[int]] | None = None
+) -> CallOffload | None:
     """None when the call moves nothing, or something it would move is never unpacked."""
     packs = call_packs(profile, call.index, inside)
     storages = movable_storages(profile, call, packs, savers)
@@ -121,8 +126,13 @@ def plan_offload(profile: Profile, call: ModuleCall, inside: list[set[int]] | No
     order = sorted(storages, key=lambda sid: (needed[sid], sid))
     start = min(profile.packs[k].unpack for k in packs if profile.packs[k].unpack is not None)  # type: ignore[type-var]
     returns = (start, *(needed[sid] for sid in order[:-1]))
-    return CallOffload(call=call, packs=tuple(packs), storages=tuple(order), returns=returns,
-                       needed=tuple(needed[sid] for sid in order))
+    return CallOffload(
+        call=call,
+        packs=tuple(packs),
+        storages=tuple(order),
+        returns=returns,
+        needed=tuple(needed[sid] for sid in order),
+    )
 
 
 def offload_sites(profile: Profile) -> tuple[VariantRecord, ...]:
@@ -139,10 +149,16 @@ def offload_sites(profile: Profile) -> tuple[VariantRecord, ...]:
         nbytes = 0 if plan is None else sum(profile.storages[sid].bytes for sid in plan.storages)
         if plan is None or nbytes < MIN_OFFLOAD_BYTES:
             continue
-        sites.append(VariantRecord(
-            impl="offload", ops=tuple(range(call.first_op, call.end_op)), modules=(call.fqn,),
-            time_ms=round(_cost_ms(profile, plan), 4), saved_bytes=0, native_saved_bytes=nbytes,
-        ))
+        sites.append(
+            VariantRecord(
+                impl="offload",
+                ops=tuple(range(call.first_op, call.end_op)),
+                modules=(call.fqn,),
+                time_ms=round(_cost_ms(profile, plan), 4),
+                saved_bytes=0,
+                native_saved_bytes=nbytes,
+            )
+        )
     return tuple(sites)
 
 
@@ -154,9 +170,12 @@ def _cost_ms(profile: Profile, plan: CallOffload) -> float:
     assert transfer is not None
     sizes = [profile.storages[sid].bytes for sid in plan.storages]
     out_ms = sum(transfer_ms(transfer, n, to_host=True) for n in sizes)
-    forward_ms = sum(op.time_ms for op in profile.ops[plan.call.first_op:plan.call.end_op])
-    return max(0.0, out_ms - forward_ms) + _backward_wait_ms(profile, plan, sizes) + \
-        len(plan.packs) * profile.overheads.saved_tensor_ms
+    forward_ms = sum(op.time_ms for op in profile.ops[plan.call.first_op : plan.call.end_op])
+    return (
+        max(0.0, out_ms - forward_ms)
+        + _backward_wait_ms(profile, plan, sizes)
+        + len(plan.packs) * profile.overheads.saved_tensor_ms
+    )
 
 
 def _backward_wait_ms(profile: Profile, plan: CallOffload, sizes: list[int]) -> float:
@@ -196,8 +215,9 @@ def site_plan(profile: Profile, site: VariantSite) -> CallOffload:
     return plan
 
 
-def apply_offload(profile: Profile, site: VariantSite, packs: list[PackRecord | None],
-                  storages: list[StorageRecord]) -> None:
+def apply_offload(
+    profile: Profile, site: VariantSite, packs: list[PackRecord | None], storages: list[StorageRecord]
+) -> None:
     """Rewrite ``packs`` and ``storages`` (lists of ``profile``'s, changed in place) as if
     ``site``'s offload ran."""
     plan = site_plan(profile, site)
@@ -208,8 +228,14 @@ def apply_offload(profile: Profile, site: VariantSite, packs: list[PackRecord | 
     for sid, back_at in zip(plan.storages, plan.returns):
         moved = saving[sid]
         releases = [packs[k].release for k in moved]  # type: ignore[union-attr]
-        back = StorageRecord(id=len(storages), bytes=storages[sid].bytes, kind="activation", producer=None,
-                             alloc=back_at, free=None if None in releases else max(releases))  # type: ignore
+        back = StorageRecord(
+            id=len(storages),
+            bytes=storages[sid].bytes,
+            kind="activation",
+            producer=None,
+            alloc=back_at,
+            free=None if None in releases else max(releases),
+        )  # type: ignore
         storages.append(back)
         for k in moved:
             packs[k] = replace(packs[k], storage=back.id)  # type: ignore[type-var]

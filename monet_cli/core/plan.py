@@ -40,14 +40,22 @@ def decisions_of(model: SegmentModel, plan: Plan, variants: Variants = frozenset
     once_ms = model.profile.overheads.first_frame_ms
     for n, call in enumerate(sorted(plan, key=lambda c: (model.segments[c].first_op, -model.segments[c].end_op))):
         seg = model.segments[call]
-        decisions.append(SegmentDecision(
-            module=seg.fqn, chain=seg.members, call=call, first_op=seg.first_op, end_op=seg.end_op,
-            recompute_ms=round(model.recompute_ms(call, plan[call], frames[call]), 4),
-            overhead_ms=round(model.overhead_ms(call, plan[call], frames[call]) + (once_ms if n == 0 else 0.0), 4),
-            **(_range_fields(model.profile, seg.range) if seg.range else {}),
-        ))
-        decisions += [KeepDecision(segment=seg.fqn, index=i, op=ops[i].op, occurrence=model.occurrence(call, i))
-                      for i in sorted(plan[call])]
+        decisions.append(
+            SegmentDecision(
+                module=seg.fqn,
+                chain=seg.members,
+                call=call,
+                first_op=seg.first_op,
+                end_op=seg.end_op,
+                recompute_ms=round(model.recompute_ms(call, plan[call], frames[call]), 4),
+                overhead_ms=round(model.overhead_ms(call, plan[call], frames[call]) + (once_ms if n == 0 else 0.0), 4),
+                **(_range_fields(model.profile, seg.range) if seg.range else {}),
+            )
+        )
+        decisions += [
+            KeepDecision(segment=seg.fqn, index=i, op=ops[i].op, occurrence=model.occurrence(call, i))
+            for i in sorted(plan[call])
+        ]
     for index in sorted(variants):
         record = model.profile.variants[index]
         if record.impl == "offload":
@@ -60,17 +68,30 @@ def decisions_of(model: SegmentModel, plan: Plan, variants: Variants = frozenset
 
 def _range_fields(profile: Profile, r: OpRange) -> dict[str, Any]:
     """What the runtime needs to find an op range: its module, its calls and where it opens and closes."""
-    return {"within": profile.calls[r.parent].fqn, "calls": tuple(profile.calls[c].fqn for c in r.calls),
-            "opens_at_call": r.opens_at_call, "closes_at_call": r.closes_at_call, "skip": r.skip,
-            "own_ops": r.own_ops}
+    return {
+        "within": profile.calls[r.parent].fqn,
+        "calls": tuple(profile.calls[c].fqn for c in r.calls),
+        "opens_at_call": r.opens_at_call,
+        "closes_at_call": r.closes_at_call,
+        "skip": r.skip,
+        "own_ops": r.own_ops,
+    }
 
 
 def _offload_decision(profile: Profile, record: VariantRecord) -> OffloadDecision:
     plan = site_plan(profile, record)
     call = plan.call
-    return OffloadDecision(module=call.fqn, call=call.index, first_op=call.first_op, end_op=call.end_op,
-                           packs=plan.ordinals(profile), fetch_order=plan.fetch_order(profile), saves=len(plan.packs),
-                           bytes=record.native_saved_bytes, time_ms=record.time_ms)
+    return OffloadDecision(
+        module=call.fqn,
+        call=call.index,
+        first_op=call.first_op,
+        end_op=call.end_op,
+        packs=plan.ordinals(profile),
+        fetch_order=plan.fetch_order(profile),
+        saves=len(plan.packs),
+        bytes=record.native_saved_bytes,
+        time_ms=record.time_ms,
+    )
 
 
 def plan_of(schedule: Schedule, model: SegmentModel) -> Plan:
@@ -79,8 +100,10 @@ def plan_of(schedule: Schedule, model: SegmentModel) -> Plan:
     offers others (made by another monet) would map them to other segments."""
     for s in schedule.segments:
         if s.call not in model.segments or model.segments[s.call].fqn != s.module:
-            raise UsageError(f"the profile offers no segment '{s.module}' where the schedule has it (a profile made "
-                             "by another version of monet? pass the schedule's own profile, or profile again)")
+            raise UsageError(
+                f"the profile offers no segment '{s.module}' where the schedule has it (a profile made "
+                "by another version of monet? pass the schedule's own profile, or profile again)"
+            )
     return schedule.kept()
 
 
@@ -93,8 +116,10 @@ def variants_of(schedule: Schedule, profile: Profile) -> Variants:
     wanted += [(o.module, ("offload", tuple(range(o.first_op, o.end_op)))) for o in schedule.offloads]
     missing = [module for module, key in wanted if key not in index_of]
     if missing:
-        raise UsageError(f"the profile offers no operator variant or offload at '{missing[0]}', which the schedule "
-                         "runs (a profile made before monet measured them? pass the schedule's own profile)")
+        raise UsageError(
+            f"the profile offers no operator variant or offload at '{missing[0]}', which the schedule "
+            "runs (a profile made before monet measured them? pass the schedule's own profile)"
+        )
     return frozenset(index_of[key] for _, key in wanted)
 
 
@@ -126,22 +151,24 @@ def build_schedule(
 ) -> Schedule:
     model = model or SegmentModel(profile)
     result = simulate(profile, plan, model=model, variants=variants)
-    return with_content_hash(Schedule(
-        schema_version=SCHEMA_VERSION,
-        kind=SCHEDULE_KIND,
-        budget_bytes=budget_bytes,
-        budget_spec=budget_spec,
-        model=profile.model,
-        fingerprint=profile.fingerprint,
-        profile_sha256=profile_sha256,
-        predicted=predicted(profile, result),
-        solver=solver,
-        env=profile.env,
-        executor=EXECUTOR,
-        created_at=created_at if created_at is not None else _now(),
-        content_sha256="",
-        decisions=decisions_of(model, plan, variants),
-    ))
+    return with_content_hash(
+        Schedule(
+            schema_version=SCHEMA_VERSION,
+            kind=SCHEDULE_KIND,
+            budget_bytes=budget_bytes,
+            budget_spec=budget_spec,
+            model=profile.model,
+            fingerprint=profile.fingerprint,
+            profile_sha256=profile_sha256,
+            predicted=predicted(profile, result),
+            solver=solver,
+            env=profile.env,
+            executor=EXECUTOR,
+            created_at=created_at if created_at is not None else _now(),
+            content_sha256="",
+            decisions=decisions_of(model, plan, variants),
+        )
+    )
 
 
 def _now() -> str:
@@ -164,13 +191,25 @@ def solve_schedule(
     """Profile + budget -> schedule, the one way: solve, then score the plan with the simulator
     (None when the solver found no plan). Solve, the sweep, the benchmarks and gpu-check all
     come through here."""
-    outcome = planner.solve(budget_bytes, time_limit_s=time_limit_s, workers=workers, seed=seed,
-                            relative_gap=relative_gap, hint=hint, report=report)
+    outcome = planner.solve(
+        budget_bytes,
+        time_limit_s=time_limit_s,
+        workers=workers,
+        seed=seed,
+        relative_gap=relative_gap,
+        hint=hint,
+        report=report,
+    )
     if outcome.plan is None:
         return None, outcome
     schedule = build_schedule(
-        planner.model.profile, outcome.plan, budget_bytes=budget_bytes, budget_spec=budget_spec,
-        model=planner.model, profile_sha256=profile_sha256, variants=outcome.variants,
+        planner.model.profile,
+        outcome.plan,
+        budget_bytes=budget_bytes,
+        budget_spec=budget_spec,
+        model=planner.model,
+        profile_sha256=profile_sha256,
+        variants=outcome.variants,
         solver=solver_info(outcome, workers=workers, seed=seed, time_limit_s=time_limit_s, relative_gap=relative_gap),
     )
     if schedule.predicted.peak_bytes > budget_bytes:  # the simulator is the judge; never return a plan over budget

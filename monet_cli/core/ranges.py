@@ -31,6 +31,7 @@ MAX_RANGE_CALLS = 16
 """Modules whose forward makes more calls than this (a stack of layers) offer no ranges: the
 ranges grow with the square of the calls."""
 
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class OpRange:
     parent: int
@@ -77,13 +78,22 @@ def op_ranges(profile: Profile, chains: list[tuple[ModuleCall, ...]]) -> list[Op
     ranges = []
     for parent, calls in sorted(children.items()):
         if called[profile.calls[parent].fqn] == 1 and len(calls) <= MAX_RANGE_CALLS:
-            ranges += [r for r in _ranges_in(profile, profile.calls[parent], calls, held, set(children), called)
-                       if (r.first_op, r.end_op) not in taken]
+            ranges += [
+                r
+                for r in _ranges_in(profile, profile.calls[parent], calls, held, set(children), called)
+                if (r.first_op, r.end_op) not in taken
+            ]
     return sorted(ranges, key=lambda r: (r.first_op, -r.end_op))
 
 
-def _ranges_in(profile: Profile, parent: ModuleCall, calls: list[ModuleCall], held: dict[int, tuple[int, ...]],
-               parents: set[int], called: dict[str, int]) -> list[OpRange]:
+def _ranges_in(
+    profile: Profile,
+    parent: ModuleCall,
+    calls: list[ModuleCall],
+    held: dict[int, tuple[int, ...]],
+    parents: set[int],
+    called: dict[str, int],
+) -> list[OpRange]:
     # A call made several times is no segment for that reason alone (the range replays it as a
     # call); any other reason means its re-run does not repeat it, or it writes its inputs.
     if any(call.reason and called[call.fqn] == 1 for call in calls):
@@ -108,9 +118,19 @@ def _ranges_in(profile: Profile, parent: ModuleCall, calls: list[ModuleCall], he
             inputs = _external_inputs(profile, first, members, own, held)
             if inputs is not None and not _writes_before(profile, first, end):
                 skip = sum(1 for c in calls if c.fqn == members[0].fqn and c.first_op < first) if opens_at_call else 0
-                ranges.append(OpRange(parent=parent.index, first_op=first, end_op=end,
-                                      calls=tuple(c.index for c in members), opens_at_call=opens_at_call,
-                                      closes_at_call=closes_at_call, skip=skip, own_ops=len(own), inputs=inputs))
+                ranges.append(
+                    OpRange(
+                        parent=parent.index,
+                        first_op=first,
+                        end_op=end,
+                        calls=tuple(c.index for c in members),
+                        opens_at_call=opens_at_call,
+                        closes_at_call=closes_at_call,
+                        skip=skip,
+                        own_ops=len(own),
+                        inputs=inputs,
+                    )
+                )
     return ranges
 
 
@@ -136,14 +156,19 @@ def _held_outputs(profile: Profile) -> dict[int, tuple[int, ...]]:
     return held
 
 
-def _external_inputs(profile: Profile, first: int, members: tuple[ModuleCall, ...], own: list[int],
-                     held: dict[int, tuple[int, ...]]) -> tuple[int, ...] | None:
+def _external_inputs(
+    profile: Profile, first: int, members: tuple[ModuleCall, ...], own: list[int], held: dict[int, tuple[int, ...]]
+) -> tuple[int, ...] | None:
     """Activation storages made before ``first`` that the range holds (``_held_outputs``),
     or None when an own op reads from an op whose outputs cannot be told apart, or one of them
     is written in place later (the replay would read the written value)."""
     storages = profile.storages
-    reads = {s for call in members for s in call.inputs
-             if storages[s].kind == "activation" and storages[s].producer is not None and storages[s].producer < first}
+    reads = {
+        s
+        for call in members
+        for s in call.inputs
+        if storages[s].kind == "activation" and storages[s].producer is not None and storages[s].producer < first
+    }
     for op in own:
         for producer in profile.ops[op].inputs:
             if producer < first:

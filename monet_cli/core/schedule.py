@@ -233,22 +233,41 @@ class Schedule(_Header):
 
     def nested_in(self) -> dict[str, str]:
         """Module of each nested segment -> module of the nearest segment it runs in."""
-        return {segment.module: enclosing[-1].module for segment, enclosing in _enclosing(self.segments)
-                if enclosing and segment.end_op <= enclosing[-1].end_op}
+        return {
+            segment.module: enclosing[-1].module
+            for segment, enclosing in _enclosing(self.segments)
+            if enclosing and segment.end_op <= enclosing[-1].end_op
+        }
 
 
-OMITTED_WHEN_DEFAULT = frozenset({
-    "SegmentDecision.within", "SegmentDecision.calls", "SegmentDecision.opens_at_call",
-    "SegmentDecision.closes_at_call", "SegmentDecision.skip", "SegmentDecision.own_ops",
-})
+OMITTED_WHEN_DEFAULT = frozenset(
+    {
+        "SegmentDecision.within",
+        "SegmentDecision.calls",
+        "SegmentDecision.opens_at_call",
+        "SegmentDecision.closes_at_call",
+        "SegmentDecision.skip",
+        "SegmentDecision.own_ops",
+    }
+)
 """An op range's fields: the lines of other segments leave them out of the file."""
 
 # Optional keys added after the hash's payload was fixed: they enter it only when set, so
 # schedules written before them keep their hash.
-HASHED_WHEN_SET = frozenset({
-    "InputSpec.name", "ModelSpec.precision", "Fingerprint.precision", "Fingerprint.modules", "SegmentDecision.chain",
-    "Predicted.preparation_ms", "SolverInfo.gap_limit",
-}) | OMITTED_WHEN_DEFAULT
+HASHED_WHEN_SET = (
+    frozenset(
+        {
+            "InputSpec.name",
+            "ModelSpec.precision",
+            "Fingerprint.precision",
+            "Fingerprint.modules",
+            "SegmentDecision.chain",
+            "Predicted.preparation_ms",
+            "SolverInfo.gap_limit",
+        }
+    )
+    | OMITTED_WHEN_DEFAULT
+)
 
 
 def content_hash(schedule: Schedule | _V1Schedule) -> str:
@@ -287,12 +306,16 @@ def consistency_problem(schedule: Schedule) -> str | None:
     if problem:
         return problem
     pred = schedule.predicted
-    expected_ms = pred.baseline_step_ms + pred.preparation_ms + sum(s.recompute_ms + s.overhead_ms for s in schedule.segments)
+    expected_ms = (
+        pred.baseline_step_ms + pred.preparation_ms + sum(s.recompute_ms + s.overhead_ms for s in schedule.segments)
+    )
     changes = (*schedule.variants, *schedule.offloads)
     expected_ms += sum(v.time_ms for v in changes)
     if abs(expected_ms - pred.step_ms) > 1e-3 * (1 + len(schedule.segments) + len(changes)):
-        return (f"predicted.step_ms: {pred.step_ms} does not match the baseline, the preparation, the segments' "
-                f"recompute time and the variants' and offloads' time ({expected_ms:.4f})")
+        return (
+            f"predicted.step_ms: {pred.step_ms} does not match the baseline, the preparation, the segments' "
+            f"recompute time and the variants' and offloads' time ({expected_ms:.4f})"
+        )
     if pred.peak_bytes > schedule.budget_bytes:
         return f"predicted.peak_bytes: {pred.peak_bytes} is above budget_bytes {schedule.budget_bytes}"
     return None
@@ -404,9 +427,20 @@ def migrate_v1(data: dict[str, Any], *, source: str) -> Schedule:
         raise FileFormatError(f"{source}: {HASH_MISMATCH}")
     decisions: list[Decision] = []
     for s in old.segments:
-        decisions.append(SegmentDecision(module=s.module, call=s.call, first_op=s.first_op, end_op=s.end_op,
-                                         recompute_ms=s.recompute_ms, overhead_ms=s.overhead_ms))
-        decisions += [KeepDecision(segment=s.module, index=d.index, op=d.op, occurrence=d.occurrence)
-                      for d in s.decisions if d.action == "keep"]
+        decisions.append(
+            SegmentDecision(
+                module=s.module,
+                call=s.call,
+                first_op=s.first_op,
+                end_op=s.end_op,
+                recompute_ms=s.recompute_ms,
+                overhead_ms=s.overhead_ms,
+            )
+        )
+        decisions += [
+            KeepDecision(segment=s.module, index=d.index, op=d.op, occurrence=d.occurrence)
+            for d in s.decisions
+            if d.action == "keep"
+        ]
     header = {f.name: getattr(old, f.name) for f in fields(_Header)}
     return with_content_hash(Schedule(**{**header, "schema_version": SCHEMA_VERSION}, decisions=tuple(decisions)))

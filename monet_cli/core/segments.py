@@ -36,10 +36,17 @@ from monet_cli.core.variants import changed_storages, innermost_calls, with_vari
 
 # Ops selective checkpointing never caches (torch.utils.checkpoint.SAC_IGNORED_OPS),
 # written out here so the core stays free of torch.
-SAC_IGNORED_OPS = frozenset({
-    "aten.detach.default", "prim.device.default", "aten.size.default", "aten.stride.default",
-    "aten.numel.default", "aten.dim.default", "aten.is_contiguous.default",
-})
+SAC_IGNORED_OPS = frozenset(
+    {
+        "aten.detach.default",
+        "prim.device.default",
+        "aten.size.default",
+        "aten.stride.default",
+        "aten.numel.default",
+        "aten.dim.default",
+        "aten.is_contiguous.default",
+    }
+)
 
 
 VARIANT_MODELS_CACHED = 8
@@ -85,7 +92,9 @@ def sibling_chains(profile: Profile) -> list[tuple[ModuleCall, ...]]:
     return sorted(chains, key=lambda run: run[0].first_op)
 
 
-def _runs(profile: Profile, children: list[ModuleCall], member: Callable[[ModuleCall], bool]) -> list[tuple[ModuleCall, ...]]:
+def _runs(
+    profile: Profile, children: list[ModuleCall], member: Callable[[ModuleCall], bool]
+) -> list[tuple[ModuleCall, ...]]:
     """The runs of two or more ``member`` calls among siblings, each passing on to the next."""
     runs: list[tuple[ModuleCall, ...]] = []
     run: list[ModuleCall] = []
@@ -109,7 +118,7 @@ def _passes_on(profile: Profile, run: list[ModuleCall], call: ModuleCall) -> boo
     last = run[-1]
     if call.first_op != last.end_op or not call.hand_off:
         return False
-    return all(reader < call.end_op for op in profile.ops[last.first_op:last.end_op] for reader in op.consumers)
+    return all(reader < call.end_op for op in profile.ops[last.first_op : last.end_op] for reader in op.consumers)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -163,8 +172,14 @@ class Frame:
 class SegmentModel:
     """Per-call segment facts for one profile, computed once."""
 
-    def __init__(self, profile: Profile, *, offer_offloads: bool = True, offer_ranges: bool = True,
-                 like: SegmentModel | None = None) -> None:
+    def __init__(
+        self,
+        profile: Profile,
+        *,
+        offer_offloads: bool = True,
+        offer_ranges: bool = True,
+        like: SegmentModel | None = None,
+    ) -> None:
         self.profile = with_offload_sites(profile) if offer_offloads else profile
         """The profile, with the offloads it offers among its variants (``core/offload.py``)."""
         profile = self.profile
@@ -181,7 +196,9 @@ class SegmentModel:
             self.calls, self.members, self.ranges = like.calls, like.members, like.ranges
         else:
             self.calls, self.members = _with_chains(profile)
-            self.calls, self.ranges = _with_ranges(profile, self.calls, self.members) if offer_ranges else (self.calls, {})
+            self.calls, self.ranges = (
+                _with_ranges(profile, self.calls, self.members) if offer_ranges else (self.calls, {})
+            )
         self._variant_models: dict[frozenset[int], SegmentModel] = {}
         self._stretch_scales: dict[int, tuple[float, ...]] = {}
 
@@ -192,7 +209,9 @@ class SegmentModel:
         if chosen not in self._variant_models:
             if len(self._variant_models) >= VARIANT_MODELS_CACHED:
                 self._variant_models.pop(next(iter(self._variant_models)))
-            self._variant_models[chosen] = SegmentModel(with_variants(self.profile, chosen), offer_offloads=False, like=self)
+            self._variant_models[chosen] = SegmentModel(
+                with_variants(self.profile, chosen), offer_offloads=False, like=self
+            )
         return self._variant_models[chosen]
 
     @cached_property
@@ -213,18 +232,27 @@ class SegmentModel:
             site = self.profile.variants[index]
             first, end = site.ops[0], site.ops[-1] + 1
             conflicts[index] = tuple(
-                call for call, storages in touched.items() if storages.intersection(ids)
-                or site.impl == "offload" and self.segments[call].first_op < end and first < self.segments[call].end_op)
+                call
+                for call, storages in touched.items()
+                if storages.intersection(ids)
+                or site.impl == "offload"
+                and self.segments[call].first_op < end
+                and first < self.segments[call].end_op
+            )
         return conflicts
 
     @cached_property
     def variant_clashes(self) -> frozenset[tuple[int, int]]:
         """Pairs of variants that cannot run together: they change the same storages or ops
         (an offload's ops are every op of its call)."""
-        changed = [(frozenset(self.variant_storages[i]), frozenset(site.ops))
-                   for i, site in enumerate(self.profile.variants)]
-        return frozenset((a, b) for a, b in combinations(range(len(changed)), 2)
-                         if not changed[a][0].isdisjoint(changed[b][0]) or not changed[a][1].isdisjoint(changed[b][1]))
+        changed = [
+            (frozenset(self.variant_storages[i]), frozenset(site.ops)) for i, site in enumerate(self.profile.variants)
+        ]
+        return frozenset(
+            (a, b)
+            for a, b in combinations(range(len(changed)), 2)
+            if not changed[a][0].isdisjoint(changed[b][0]) or not changed[a][1].isdisjoint(changed[b][1])
+        )
 
     @cached_property
     def ancestors(self) -> list[tuple[int, ...]]:
@@ -244,8 +272,12 @@ class SegmentModel:
         for index, r in self.ranges.items():
             for inside in range(len(chains)):
                 enclosing = chains[inside]
-                if (inside not in self.ranges and r.parent in enclosing[1:]
-                        and r.first_op <= self.calls[inside].first_op and self.calls[inside].end_op <= r.end_op):
+                if (
+                    inside not in self.ranges
+                    and r.parent in enclosing[1:]
+                    and r.first_op <= self.calls[inside].first_op
+                    and self.calls[inside].end_op <= r.end_op
+                ):
                     at = enclosing.index(r.parent)
                     chains[inside] = enclosing[:at] + (index,) + enclosing[at:]
         for index, r in self.ranges.items():
@@ -274,7 +306,7 @@ class SegmentModel:
         ordered = sorted(self.segments.values(), key=lambda seg: (seg.first_op, -seg.end_op))
         pairs = []
         for k, a in enumerate(ordered):
-            for b in ordered[k + 1:]:
+            for b in ordered[k + 1 :]:
                 if b.first_op >= a.end_op:
                     break
                 if a.call not in self.ancestors[b.call] and b.call not in self.ancestors[a.call]:
@@ -364,13 +396,20 @@ class SegmentModel:
         children: dict[int, int] = defaultdict(int)
         for outer, _ in candidates:
             children[outer] += 1
-        return tuple(sorted((outer, inner) for outer, inner in candidates
-                            if children[outer] <= MAX_NESTED_CHILDREN and self._saves_what_it_makes(inner)))
+        return tuple(
+            sorted(
+                (outer, inner)
+                for outer, inner in candidates
+                if children[outer] <= MAX_NESTED_CHILDREN and self._saves_what_it_makes(inner)
+            )
+        )
 
     @cached_property
     def pair_frames(self) -> dict[tuple[int, int], dict[int, Frame]]:
         """Each nest pair's two frames as they run nested (the solver's costs and points)."""
-        return {(outer, inner): self.frames({outer: frozenset(), inner: frozenset()}) for outer, inner in self.nest_pairs}
+        return {
+            (outer, inner): self.frames({outer: frozenset(), inner: frozenset()}) for outer, inner in self.nest_pairs
+        }
 
     @cached_property
     def _pairs_by_outer(self) -> dict[int, tuple[tuple[int, int], ...]]:
@@ -387,7 +426,7 @@ class SegmentModel:
         """The segments between ``inner`` and ``outer``, which encloses it: with one of them
         chosen, ``inner`` is not nested directly in ``outer``."""
         enclosing = self.ancestors[inner]
-        return tuple(a for a in enclosing[1:enclosing.index(outer)] if a in self.segments)
+        return tuple(a for a in enclosing[1 : enclosing.index(outer)] if a in self.segments)
 
     @cached_property
     def nestable(self) -> frozenset[tuple[int, int]]:
@@ -398,7 +437,9 @@ class SegmentModel:
     @cached_property
     def nest_triples(self) -> tuple[tuple[int, int, int], ...]:
         """(outer, middle, inner): two nest pairs sharing the middle segment, three levels deep."""
-        return tuple((outer, middle, inner) for outer, middle in self.nest_pairs for _, inner in self.nest_pairs_of(middle))
+        return tuple(
+            (outer, middle, inner) for outer, middle in self.nest_pairs for _, inner in self.nest_pairs_of(middle)
+        )
 
     @cached_property
     def triple_frames(self) -> dict[tuple[int, int, int], dict[int, Frame]]:
@@ -435,8 +476,15 @@ class SegmentModel:
             depth = sum(1 for a in self.ancestors[c][1:] if a in plan)
             top = next((a for a in reversed(self.ancestors[c]) if a in plan), c)
             frames[c] = Frame(
-                call=c, first_op=seg.first_op, end_op=seg.end_op, stop=stop, burst_pos=burst_pos,
-                frame_end=frame_end, saves=saves, outer=outer[c], order=(-self.segments[top].first_op, depth),
+                call=c,
+                first_op=seg.first_op,
+                end_op=seg.end_op,
+                stop=stop,
+                burst_pos=burst_pos,
+                frame_end=frame_end,
+                saves=saves,
+                outer=outer[c],
+                order=(-self.segments[top].first_op, depth),
                 recorded_again=sum(n.range.own_ops for n in nested if n.range),
             )
         return frames
@@ -486,7 +534,7 @@ class SegmentModel:
         ops = self.profile.ops
         scales: dict[int, float] = defaultdict(lambda: 1.0)
         for call in self.profile.calls:
-            timed = sum(op.time_ms for op in ops[call.first_op:call.end_op])
+            timed = sum(op.time_ms for op in ops[call.first_op : call.end_op])
             if call.time_ms is not None and timed > 0:
                 scales[call.index] = call.time_ms / timed
         return scales
@@ -505,8 +553,9 @@ class SegmentModel:
             call = self.profile.calls[parent]
             scales = [self.code_scale[parent]] * (call.end_op - call.first_op)
             for child in self._calls_made.get(parent, ()):
-                scales[child.first_op - call.first_op:child.end_op - call.first_op] = \
-                    [self.code_scale[child.index]] * (child.end_op - child.first_op)
+                scales[child.first_op - call.first_op : child.end_op - call.first_op] = [
+                    self.code_scale[child.index]
+                ] * (child.end_op - child.first_op)
             self._stretch_scales[parent] = tuple(scales)
         return self._stretch_scales[parent]
 
@@ -570,25 +619,42 @@ def _with_chains(profile: Profile) -> tuple[tuple[ModuleCall, ...], dict[int, tu
     for run in chains:
         index = len(profile.calls) + len(records)
         first, last = run[0], run[-1]
-        records.append(ModuleCall(
-            index=index, fqn=f"{first.fqn}..{last.fqn}", type=CHAIN, first_op=first.first_op, end_op=last.end_op,
-            parent=first.parent, checkpointable=True, inputs=first.inputs,
-        ))
+        records.append(
+            ModuleCall(
+                index=index,
+                fqn=f"{first.fqn}..{last.fqn}",
+                type=CHAIN,
+                first_op=first.first_op,
+                end_op=last.end_op,
+                parent=first.parent,
+                checkpointable=True,
+                inputs=first.inputs,
+            )
+        )
         members[index] = tuple(call.index for call in run)
     return profile.calls + tuple(records), members
 
 
-def _with_ranges(profile: Profile, calls: tuple[ModuleCall, ...],
-                 members: dict[int, tuple[int, ...]]) -> tuple[tuple[ModuleCall, ...], dict[int, OpRange]]:
+def _with_ranges(
+    profile: Profile, calls: tuple[ModuleCall, ...], members: dict[int, tuple[int, ...]]
+) -> tuple[tuple[ModuleCall, ...], dict[int, OpRange]]:
     """``calls`` followed by a call record per op range, and each record's range."""
     chains = [tuple(calls[m] for m in run) for run in members.values()]
     records: list[ModuleCall] = []
     ranges: dict[int, OpRange] = {}
     for r in op_ranges(profile, chains):
         index = len(calls) + len(records)
-        records.append(ModuleCall(
-            index=index, fqn=f"{profile.calls[r.parent].fqn or '<model>'}[{r.first_op}:{r.end_op}]", type=RANGE,
-            first_op=r.first_op, end_op=r.end_op, parent=r.parent, checkpointable=True, inputs=r.inputs,
-        ))
+        records.append(
+            ModuleCall(
+                index=index,
+                fqn=f"{profile.calls[r.parent].fqn or '<model>'}[{r.first_op}:{r.end_op}]",
+                type=RANGE,
+                first_op=r.first_op,
+                end_op=r.end_op,
+                parent=r.parent,
+                checkpointable=True,
+                inputs=r.inputs,
+            )
+        )
         ranges[index] = r
     return calls + tuple(records), ranges

@@ -109,13 +109,19 @@ def triple_delta_events(model: SegmentModel, outer: int, middle: int, inner: int
     inner}) - memory_events({outer, middle}) - memory_events({middle, inner}) +
     memory_events({middle})``, from the storages any of the three can move."""
     bare = frozenset()
-    signed = (({outer: bare, middle: bare, inner: bare}, 1), ({outer: bare, middle: bare}, -1),
-              ({middle: bare, inner: bare}, -1), ({middle: bare}, 1))
+    signed = (
+        ({outer: bare, middle: bare, inner: bare}, 1),
+        ({outer: bare, middle: bare}, -1),
+        ({middle: bare, inner: bare}, -1),
+        ({middle: bare}, 1),
+    )
     touched = sorted({sid for call in (outer, middle, inner) for sid in model.touched_storages(call)})
     return _signed_events(model, signed, touched)
 
 
-def _signed_events(model: SegmentModel, signed_plans: tuple[tuple[Plan, int], ...], storages: list[int]) -> list[tuple[Key, int]]:
+def _signed_events(
+    model: SegmentModel, signed_plans: tuple[tuple[Plan, int], ...], storages: list[int]
+) -> list[tuple[Key, int]]:
     """The sum of each plan's events over ``storages`` and its bursts, times its sign."""
     items: list[tuple[Key, int]] = []
     for plan, sign in signed_plans:
@@ -148,8 +154,14 @@ def burst_key(model: SegmentModel, frame: Frame, op: int, sub: int) -> Key:
     return (frame.burst_pos if frame.burst_pos is not None else model.end, 1, *frame.order, op, sub)
 
 
-def simulate(profile: Profile, plan: Plan, *, model: SegmentModel | None = None, variants: Variants = frozenset(),
-             timeline: bool = False) -> SimResult:
+def simulate(
+    profile: Profile,
+    plan: Plan,
+    *,
+    model: SegmentModel | None = None,
+    variants: Variants = frozenset(),
+    timeline: bool = False,
+) -> SimResult:
     model = model or SegmentModel(profile)
     events = _events(model, plan, variants)
     peak, peak_key, points = _sweep(events.items, timeline)
@@ -175,8 +187,9 @@ def _check_variants(model: SegmentModel, plan: Plan, variants: Variants) -> None
         clash = [call for call in model.variant_conflicts[index] if call in plan]
         if clash:
             site = model.profile.variants[index]
-            raise ValueError(f"the variant at {site.module!r} and segment {model.segments[clash[0]].fqn!r} "
-                             "change the same tensors")
+            raise ValueError(
+                f"the variant at {site.module!r} and segment {model.segments[clash[0]].fqn!r} change the same tensors"
+            )
     for a, b in combinations(sorted(variants), 2):
         if (a, b) in model.variant_clashes:
             sites = model.profile.variants
@@ -279,7 +292,9 @@ class _Events:
             free = max(free, self.frame_holds[s.id])
         self.span(alloc, free, s.bytes, s.id)
 
-    def _original_free(self, s: StorageRecord, owner: int | None, kept: bool, packs: list[int], baseline_free: Key) -> Key:
+    def _original_free(
+        self, s: StorageRecord, owner: int | None, kept: bool, packs: list[int], baseline_free: Key
+    ) -> Key:
         python_end: Key = baseline_free if s.free_no_autograd is None else (s.free_no_autograd, 0)
         holds: list[Key] = [python_end]
         copy_holds: dict[int, list[Key]] = defaultdict(list)
@@ -308,8 +323,9 @@ class _Events:
                 self.copy_free[(segment, s.id)] = max(frees)
         return max(holds)
 
-    def _argument_hold(self, s: StorageRecord, frame: Frame, release: Key | None, holds: list[Key],
-                       copy_holds: dict[int, list[Key]]) -> None:
+    def _argument_hold(
+        self, s: StorageRecord, frame: Frame, release: Key | None, holds: list[Key], copy_holds: dict[int, list[Key]]
+    ) -> None:
         """``s`` was made before ``frame``'s call, which took it as an argument (and saved it
         where ``release`` is given)."""
         outer = self._maker(frame, s.producer)
@@ -355,7 +371,9 @@ class _Events:
         stop = self.frames[call].stop
         workspace = self.model.profile.ops[op].workspace_bytes
         if workspace:
-            self.span(self.burst_key(call, op, 1), self.burst_key(call, op + 1, 0), workspace, WORKSPACE, recomputed=True)
+            self.span(
+                self.burst_key(call, op, 1), self.burst_key(call, op + 1, 0), workspace, WORKSPACE, recomputed=True
+            )
         storages = self.model.profile.storages
         for sid in self.model.outputs_by_op.get(op, []):
             s = storages[sid]

@@ -30,10 +30,14 @@ from dataclasses import dataclass, replace
 from monet_cli.core.offload import apply_offload, site_plan
 from monet_cli.core.profile import PackRecord, Profile, StorageRecord, VariantRecord, VariantSite
 
-BATCH_NORM_OPS = frozenset({
-    "aten.native_batch_norm.default", "aten._native_batch_norm_legit.default", "aten.cudnn_batch_norm.default",
-    "aten.miopen_batch_norm.default",
-})
+BATCH_NORM_OPS = frozenset(
+    {
+        "aten.native_batch_norm.default",
+        "aten._native_batch_norm_legit.default",
+        "aten.cudnn_batch_norm.default",
+        "aten.miopen_batch_norm.default",
+    }
+)
 ACTIVATION_OPS = {"aten.relu.default": ("ReLU",), "aten.hardtanh.default": ("ReLU6", "Hardtanh")}
 CONV_OPS = frozenset({"aten.convolution.default"})
 CONV_TYPES = ("Conv1d", "Conv2d", "Conv3d")
@@ -102,8 +106,12 @@ def _bn_output_ops(profile: Profile, owner: list[int | None], bn: int) -> tuple[
         return None
     act = ops[bn].consumers[0]
     convs = ops[act].consumers
-    if ops[act].op not in ACTIVATION_OPS or not convs or any(ops[k].op not in CONV_OPS for k in convs) \
-            or ops[ops[bn].inputs[0]].consumers != (bn,):
+    if (
+        ops[act].op not in ACTIVATION_OPS
+        or not convs
+        or any(ops[k].op not in CONV_OPS for k in convs)
+        or ops[ops[bn].inputs[0]].consumers != (bn,)
+    ):
         return None
     site = (bn, act, *convs)
     types = ("BatchNorm", ACTIVATION_OPS[ops[act].op], CONV_TYPES)
@@ -113,8 +121,11 @@ def _bn_output_ops(profile: Profile, owner: list[int | None], bn: int) -> tuple[
     if None in (c, y, r) or any(profile.storages[s].mutated for s in (c, y, r)):  # type: ignore[index]
         return None
     savers = _pack_calls(profile)
-    if not savers.get(c, set()) <= {owner[bn]} or not savers.get(y, set()) <= {owner[act]} \
-            or not savers.get(r, set()) <= {owner[k] for k in (act, *convs)}:
+    if (
+        not savers.get(c, set()) <= {owner[bn]}
+        or not savers.get(y, set()) <= {owner[act]}
+        or not savers.get(r, set()) <= {owner[k] for k in (act, *convs)}
+    ):
         return None
     return site
 
@@ -128,8 +139,9 @@ def _maxpool_ops(profile: Profile, owner: list[int | None], pool: int) -> tuple[
     return (pool,) if indices is not None and not profile.storages[indices].mutated else None
 
 
-def _modules_fit(profile: Profile, owner: list[int | None], site: tuple[int, ...], types: tuple,
-                 shared_ok: tuple[int, ...] = ()) -> bool:
+def _modules_fit(
+    profile: Profile, owner: list[int | None], site: tuple[int, ...], types: tuple, shared_ok: tuple[int, ...] = ()
+) -> bool:
     """Each op runs in a module of its role's type, in place of nothing, called once per step
     (except ``shared_ok`` ops: their variant acts only on the tensors the site makes)."""
     once = _called_once(profile)
@@ -193,8 +205,9 @@ def changed_storages(profile: Profile, site: VariantSite, owner: list[int | None
         bn, act = site.ops[:2]
         return tuple(_largest_output(profile, k) for k in (profile.ops[bn].inputs[0], bn, act))  # type: ignore[misc]
     pool = site.op
-    inputs = {p.storage for p in profile.packs
-              if p.call == owner[pool] and profile.storages[p.storage].producer != pool}
+    inputs = {
+        p.storage for p in profile.packs if p.call == owner[pool] and profile.storages[p.storage].producer != pool
+    }
     return (_indices(profile, owner, pool), *sorted(inputs))  # type: ignore[return-value]
 
 
@@ -213,13 +226,17 @@ def _change(profile: Profile, owner: list[int | None], record: VariantRecord) ->
     indices, *inputs = changed_storages(profile, record, owner)
     pool, call = record.op, calls[0]
     elements = profile.storages[indices].bytes // INDEX_BYTES
-    offsets = StorageRecord(id=-1, bytes=record.saved_bytes, kind="activation", producer=pool, alloc=pool, free=pool + 1)
+    offsets = StorageRecord(
+        id=-1, bytes=record.saved_bytes, kind="activation", producer=pool, alloc=pool, free=pool + 1
+    )
     # Forward: the int64 offsets before they are narrowed; backward: the int64 indices rebuilt.
-    narrowing = StorageRecord(id=-1, bytes=elements * INDEX_BYTES, kind="temp", producer=None, alloc=pool,
-                              free=pool + 1)
+    narrowing = StorageRecord(
+        id=-1, bytes=elements * INDEX_BYTES, kind="temp", producer=None, alloc=pool, free=pool + 1
+    )
     moves = {(indices, call): -2, **{(sid, call): -1 for sid in inputs}}
-    return _Change(moves=moves, new=(offsets, narrowing), kept_new=0,
-                   temporaries=((indices, call, elements * INDEX_BYTES),))
+    return _Change(
+        moves=moves, new=(offsets, narrowing), kept_new=0, temporaries=((indices, call, elements * INDEX_BYTES),)
+    )
 
 
 def with_variants(profile: Profile, chosen: Iterable[int]) -> Profile:
@@ -252,8 +269,11 @@ def _apply(change: _Change, packs: list[PackRecord | None], storages: list[Stora
         touched.add(target)
         nbytes = pending.pop((pack.storage, pack.call), None)
         if nbytes is not None and pack.unpack is not None and pack.release is not None:
-            storages.append(StorageRecord(id=len(storages), bytes=nbytes, kind="temp", producer=None,
-                                          alloc=pack.unpack, free=pack.release))
+            storages.append(
+                StorageRecord(
+                    id=len(storages), bytes=nbytes, kind="temp", producer=None, alloc=pack.unpack, free=pack.release
+                )
+            )
     for sid in sorted(touched - {-1}):
         storages[sid] = replace(storages[sid], free=_free_when_saved(storages[sid], packs))
 

@@ -44,9 +44,7 @@ class GPTBlock(nn.Module):
         q, k, v = self.qkv(x).split(d, dim=-1)
         # [N, T, D] -> [N, H, T, D/H], the layout scaled_dot_product_attention expects.
         q, k, v = (z.view(n, t, self.n_heads, d // self.n_heads).transpose(1, 2) for z in (q, k, v))
-        y = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
-        )
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
         y = y.transpose(1, 2).reshape(n, t, d)
         return self.resid_drop(self.proj(y))
 
@@ -159,9 +157,7 @@ def skip_concat_net(in_channels: int = 3, base: int = 8, num_classes: int = 10) 
 # --------------------------------------------------------------------------- MLP
 
 
-def small_mlp(
-    in_features: int = 64, hidden: int = 128, depth: int = 3, num_classes: int = 10
-) -> nn.Module:
+def small_mlp(in_features: int = 64, hidden: int = 128, depth: int = 3, num_classes: int = 10) -> nn.Module:
     """Build an ``nn.Sequential`` MLP with ``depth`` Linear+ReLU hidden layers and a Linear head.
 
     Input: float features of shape ``[N, in_features]``. Output: logits ``[N, num_classes]``.

@@ -99,8 +99,6 @@ def _written_args(func, args: tuple, kwargs: dict) -> list[torch.Tensor]:
     return written
 
 
-
-
 class StepRecorder(LiveStorageMeter):
     """Records the structure and memory timeline of one training step."""
 
@@ -201,8 +199,15 @@ class StepRecorder(LiveStorageMeter):
         handed = self.returned.get(parent)
         hand_off = isinstance(args, tuple) and len(args) == 1 and handed is not None and args[0] is handed()
         self.calls.append(  # a keyword makes hand_off False: ``_kwargs_hook``
-            RawCall(index=index, fqn=fqn, type=type(module).__name__, first_op=self.pos, parent=parent, inputs=inputs,
-                    hand_off=hand_off)
+            RawCall(
+                index=index,
+                fqn=fqn,
+                type=type(module).__name__,
+                first_op=self.pos,
+                parent=parent,
+                inputs=inputs,
+                hand_off=hand_off,
+            )
         )
         self.stack.append(index)
 
@@ -296,7 +301,9 @@ class StepRecorder(LiveStorageMeter):
             return
         untracked = torch.cuda.memory_allocated(self.cuda) - self.current_bytes
         if untracked > 0:
-            self.storages.append(RawStorage(id=len(self.storages), bytes=untracked, kind="other", producer=None, alloc=0))
+            self.storages.append(
+                RawStorage(id=len(self.storages), bytes=untracked, kind="other", producer=None, alloc=0)
+            )
 
     def _classify_backward_storages(self) -> None:
         w = self.workload
@@ -469,8 +476,9 @@ class Timings:
         of the time a call spends outside its sub-calls, plus its sub-calls' times. Medians of
         nested spans taken one by one need not nest (resnet18: layer3 1.72 ms against its
         blocks' 1.83), and a stretch of a call is priced from its wall over its parts'."""
-        own = [statistics.median(column) for column in zip(*(_outside_sub_calls(step, parents)
-                                                             for step in self.call_ms))]
+        own = [
+            statistics.median(column) for column in zip(*(_outside_sub_calls(step, parents) for step in self.call_ms))
+        ]
         total = list(own)
         for call in reversed(range(len(total))):  # a sub-call comes after its parent
             if parents[call] is not None:

@@ -88,9 +88,11 @@ def price_in_step(workload: Workload, profile: Profile, steps: int) -> Overheads
     few = cheapest[:FEW_FRAMES]
     few_ms = _paired(workload, checkpointed(few), pairs)[1] if len(few) < len(cheapest) else frames_ms
     _, recomputes_ms = _paired(workload, checkpointed(largest), pairs)
-    once_ms, frame_ms, op_ms = _unpriced(_Checkpointed(model, few, few_ms / now),
-                                         _Checkpointed(model, cheapest, frames_ms / now),
-                                         _Checkpointed(model, largest, recomputes_ms / now))
+    once_ms, frame_ms, op_ms = _unpriced(
+        _Checkpointed(model, few, few_ms / now),
+        _Checkpointed(model, cheapest, frames_ms / now),
+        _Checkpointed(model, largest, recomputes_ms / now),
+    )
     policies = [_Toggle(modules[model.calls[c].fqn], policy=True) for c in largest]
     try:
         _, policy_ms = _paired(workload, _toggles(policies), pairs)
@@ -142,8 +144,9 @@ def _solve(rows: list[list[float]], values: list[float]) -> list[float] | None:
     """The solution of a small square linear system, or None when it has no single one (two
     sets that weigh everything alike)."""
     try:
-        return torch.linalg.solve(torch.tensor(rows, dtype=torch.float64),
-                                  torch.tensor(values, dtype=torch.float64)).tolist()
+        return torch.linalg.solve(
+            torch.tensor(rows, dtype=torch.float64), torch.tensor(values, dtype=torch.float64)
+        ).tolist()
     except torch.linalg.LinAlgError:
         return None
 
@@ -176,9 +179,14 @@ def _pairs(step_ms: float, steps: int) -> int:
 def _calls(model: SegmentModel, *, cheapest: bool) -> list[int]:
     """Module-call segments that are recomputed, none nested in another, none a BatchNorm:
     up to ``FRAMES`` of the cheapest to checkpoint, or the largest (most ops) first."""
-    candidates = [c for c, seg in model.segments.items()
-                  if not seg.members and c not in model.ranges and seg.burst_pos is not None
-                  and "BatchNorm" not in model.calls[c].type]
+    candidates = [
+        c
+        for c, seg in model.segments.items()
+        if not seg.members
+        and c not in model.ranges
+        and seg.burst_pos is not None
+        and "BatchNorm" not in model.calls[c].type
+    ]
     if cheapest:
         candidates.sort(key=lambda c: (model.added_ms(c), c))
     else:
@@ -250,7 +258,7 @@ def _paired(workload: Workload, switch: Callable[[bool], None], pairs: int) -> t
     try:
         for k in range(WARM_UP_PAIRS + pairs):
             times = {}
-            for second in ((False, True) if k % 2 else (True, False)):
+            for second in (False, True) if k % 2 else (True, False):
                 switch(second)
                 times[second] = workload.timed_step()
             if k >= WARM_UP_PAIRS:

@@ -58,8 +58,9 @@ class _OwnOps(nn.Module):
 
 def _ranged(length: int) -> nn.Module:
     module = _OwnOps(length)
-    decision = SegmentDecision(module="<chain>", call=0, first_op=0, end_op=length, recompute_ms=0.0, within="",
-                               own_ops=length)
+    decision = SegmentDecision(
+        module="<chain>", call=0, first_op=0, end_op=length, recompute_ms=0.0, within="", own_ops=length
+    )
     RangeSegment(decision, module, [], MachineryMarker()).install()
     return module
 

@@ -80,8 +80,11 @@ def probe_overheads(workload: Workload, profile: Profile) -> Overheads:
     try:
         times = _timed(workload, probe.range)
     except Exception as err:  # a module that cannot run alone: the model's own step is not at stake
-        warnings.warn(f"monet: op ranges keep their generic price: timing '{probe.range.within}' alone failed "
-                      f"({type(err).__name__}: {err})", stacklevel=2)
+        warnings.warn(
+            f"monet: op ranges keep their generic price: timing '{probe.range.within}' alone failed "
+            f"({type(err).__name__}: {err})",
+            stacklevel=2,
+        )
         return profile.overheads
     wall_ms = profile.calls[probe.call].time_ms
     now = times.forward_ms / wall_ms if wall_ms else 1.0  # this machine's speed now over the profile's steps'
@@ -111,8 +114,15 @@ def _probe(model: SegmentModel) -> _Probe | None:
         own = own_op_count(module, calls)
         if own >= MIN_OWN_OPS and (best is None or own > best[0]):
             whole = SegmentDecision(
-                module=module.fqn, call=parent, first_op=module.first_op, end_op=module.end_op, recompute_ms=0.0,
-                within=module.fqn, calls=tuple(c.fqn for c in calls), own_ops=own)
+                module=module.fqn,
+                call=parent,
+                first_op=module.first_op,
+                end_op=module.end_op,
+                recompute_ms=0.0,
+                within=module.fqn,
+                calls=tuple(c.fqn for c in calls),
+                own_ops=own,
+            )
             best = (own, _Probe(call=parent, range=whole))
     return best[1] if best else None
 
@@ -124,12 +134,23 @@ def _timed(workload: Workload, whole: SegmentDecision) -> _Times:
     inside = dict(ranged.named_modules())
     calls = [inside[path.removeprefix(f"{whole.within}.")] for path in whole.calls]
     RangeSegment(whole, ranged, calls, MachineryMarker()).install()
-    runs = (_forward(plain, inputs), _forward(checkpointed, inputs, checkpointed=True), _forward(ranged, inputs),
-            _step(checkpointed, inputs, checkpointed=True), _step(ranged, inputs))
+    runs = (
+        _forward(plain, inputs),
+        _forward(checkpointed, inputs, checkpointed=True),
+        _forward(ranged, inputs),
+        _step(checkpointed, inputs, checkpointed=True),
+        _step(ranged, inputs),
+    )
     forward, checkpoint_forward, range_forward, checkpointed_step, range_step = (
-        statistics.median(column) for column in zip(*_interleaved(runs, workload)))
-    return _Times(forward_ms=forward, checkpoint_forward_ms=checkpoint_forward, range_forward_ms=range_forward,
-                  checkpoint_ms=checkpointed_step, range_ms=range_step)
+        statistics.median(column) for column in zip(*_interleaved(runs, workload))
+    )
+    return _Times(
+        forward_ms=forward,
+        checkpoint_forward_ms=checkpoint_forward,
+        range_forward_ms=range_forward,
+        checkpoint_ms=checkpointed_step,
+        range_ms=range_step,
+    )
 
 
 def _inputs_of(workload: Workload, module: nn.Module) -> tuple[tuple, dict]:

@@ -103,13 +103,24 @@ class Rehearsal:
             if not self.recording:
                 return original(*args, **kwargs)
             rng = (torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None)
-            autocast = (torch.is_autocast_enabled(device.type), torch.get_autocast_dtype(device.type),
-                        torch.is_autocast_cache_enabled())
+            autocast = (
+                torch.is_autocast_enabled(device.type),
+                torch.get_autocast_dtype(device.type),
+                torch.is_autocast_cache_enabled(),
+            )
             sink = self.log.sink
             start = len(sink)
             output = original(*args, **kwargs)
-            self.takes[fqn] = _Take(forward=original, args=args, kwargs=kwargs, rng=rng, autocast=autocast,
-                                    ops=sink[start:], output=output, versions=[t._version for t in _tensors(output)])
+            self.takes[fqn] = _Take(
+                forward=original,
+                args=args,
+                kwargs=kwargs,
+                rng=rng,
+                autocast=autocast,
+                ops=sink[start:],
+                output=output,
+                versions=[t._version for t in _tensors(output)],
+            )
             return output
 
         return forward
@@ -153,10 +164,14 @@ def _ops_problem(first: list[str], again: list[str]) -> str | None:
         return None
     for k, (a, b) in enumerate(zip(first, again)):
         if a != b:
-            return (f"re-running its forward runs other ops (op {k}: {_short(b)} instead of {_short(a)}): "
-                    "it changes state it reads, e.g. a key/value cache (use_cache=False)")
-    return (f"re-running its forward runs {len(again)} ops instead of {len(first)}: "
-            "it changes state it reads, e.g. a key/value cache (use_cache=False)")
+            return (
+                f"re-running its forward runs other ops (op {k}: {_short(b)} instead of {_short(a)}): "
+                "it changes state it reads, e.g. a key/value cache (use_cache=False)"
+            )
+    return (
+        f"re-running its forward runs {len(again)} ops instead of {len(first)}: "
+        "it changes state it reads, e.g. a key/value cache (use_cache=False)"
+    )
 
 
 def _tensors(tree: Any) -> list[torch.Tensor]:
@@ -172,7 +187,9 @@ def _output_problem(take: _Take, again: Any) -> str | None:
             return f"re-running its forward returns {tuple(y.shape)} {y.dtype} instead of {tuple(x.shape)} {x.dtype}"
         if x._version != version:
             continue  # written in place after the call (ResNet's ``out += identity``): its values moved on
-        same = torch.allclose(x, y, rtol=RTOL, atol=ATOL, equal_nan=True) if x.is_floating_point() else torch.equal(x, y)
+        same = (
+            torch.allclose(x, y, rtol=RTOL, atol=ATOL, equal_nan=True) if x.is_floating_point() else torch.equal(x, y)
+        )
         if not same:
             return "re-running its forward gives other values: it depends on state that changed after it ran"
     return None

@@ -112,20 +112,25 @@ def profile_model(
             timings.step_ms.append(step_ms)
             timings.call_ms.append(call_ms)
     progress("timing the model as written")
-    timings.as_written_step_ms = run_checked(lambda: as_written_step_ms(workload, timings.median_step_ms(), steps),
-                                             "timed step")
+    timings.as_written_step_ms = run_checked(
+        lambda: as_written_step_ms(workload, timings.median_step_ms(), steps), "timed step"
+    )
     reasons = structural_reasons(recorder)
     progress("rehearsing recomputes")
     candidates = [call.fqn for call in recorder.calls if not reasons[call.index]]
     differs = run_checked(lambda: Rehearsal(workload, candidates).run(), "rehearsal step")
     for call in recorder.calls:
         reasons[call.index] = reasons[call.index] or differs.get(call.fqn, "")
-    profile = replace(build_profile(workload, recorder, lifetimes, timings, measurement.peak_bytes, measurement.meter,
-                                    reasons), overheads=overheads)
+    profile = replace(
+        build_profile(workload, recorder, lifetimes, timings, measurement.peak_bytes, measurement.meter, reasons),
+        overheads=overheads,
+    )
     progress("pricing checkpoint in the step (once, per frame, per re-run op, the policy)")
     profile = replace(profile, overheads=run_checked(lambda: price_in_step(workload, profile, steps), "pricing step"))
     progress("pricing op ranges on the model's own code")
-    profile = replace(profile, overheads=run_checked(lambda: probe_overheads(workload, profile), "timing a module alone"))
+    profile = replace(
+        profile, overheads=run_checked(lambda: probe_overheads(workload, profile), "timing a module alone")
+    )
     progress("measuring operator variants")
     variants = run_checked(lambda: measure_variants(workload, find_sites(profile)), "measuring operator variants")
     progress("timing the step again (has the machine's speed changed?)")
@@ -139,9 +144,12 @@ def warn_on_speed_change(workload: Workload, step_ms: list[float]) -> None:
     early = statistics.median(step_ms)
     late = statistics.median([workload.timed_step() for _ in step_ms])
     if max(late / early, early / late) > SPEED_CHANGE:
-        warnings.warn(f"monet: this machine's speed changed while profiling: the plain step took {early:.1f} ms "
-                      f"when timed and {late:.1f} ms at the end, and the predicted overheads assume one speed; "
-                      "profile again on a quieter machine before trusting them", stacklevel=2)
+        warnings.warn(
+            f"monet: this machine's speed changed while profiling: the plain step took {early:.1f} ms "
+            f"when timed and {late:.1f} ms at the end, and the predicted overheads assume one speed; "
+            "profile again on a quieter machine before trusting them",
+            stacklevel=2,
+        )
 
 
 def steps_per_tick(steps: int, step_ms: float) -> int:
@@ -232,9 +240,14 @@ def build_profile(
         created_at=_dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat(),
         ops=ops,
         backward=tuple(
-            BackwardOp(pos=op.pos, op=op.op, phase=op.phase, time_ms=round(op_ms[op.pos], 4),  # type: ignore[arg-type]
-                       workspace_bytes=op.workspace)
-            for op in recorder.ops[len(forward):]
+            BackwardOp(
+                pos=op.pos,
+                op=op.op,
+                phase=op.phase,
+                time_ms=round(op_ms[op.pos], 4),  # type: ignore[arg-type]
+                workspace_bytes=op.workspace,
+            )
+            for op in recorder.ops[len(forward) :]
         ),
         calls=_call_records(recorder, reasons, timings.median_call_ms([call.parent for call in recorder.calls])),
         storages=storages,
@@ -245,7 +258,9 @@ def build_profile(
     )
 
 
-def _storage_records(recorder: StepRecorder, lifetimes: LifetimeRecorder, num_forward: int) -> tuple[StorageRecord, ...]:
+def _storage_records(
+    recorder: StepRecorder, lifetimes: LifetimeRecorder, num_forward: int
+) -> tuple[StorageRecord, ...]:
     # The k-th storage made by forward op p is the same tensor in both passes.
     slot_free: dict[tuple[int, int], int | None] = {}
     for pos, slots in enumerate(lifetimes.outputs):
@@ -262,8 +277,14 @@ def _storage_records(recorder: StepRecorder, lifetimes: LifetimeRecorder, num_fo
             free_no_autograd = slot_free.get((s.producer, order_in_op.get(s.id, -1)))
         records.append(
             StorageRecord(
-                id=s.id, bytes=s.bytes, kind=s.kind, producer=s.producer, alloc=s.alloc,  # type: ignore[arg-type]
-                free=s.free, free_no_autograd=free_no_autograd, mutated=s.mutated,
+                id=s.id,
+                bytes=s.bytes,
+                kind=s.kind,
+                producer=s.producer,
+                alloc=s.alloc,  # type: ignore[arg-type]
+                free=s.free,
+                free_no_autograd=free_no_autograd,
+                mutated=s.mutated,
             )
         )
     return tuple(records)
@@ -280,10 +301,13 @@ def _op_records(
     inputs: list[tuple[int, ...]] = []
     consumers: list[list[int]] = [[] for _ in forward]
     for op in forward:
-        producers = sorted({
-            storages[sid].producer for sid in op.inputs
-            if storages[sid].kind == "activation" and storages[sid].producer not in (None, op.pos)
-        })
+        producers = sorted(
+            {
+                storages[sid].producer
+                for sid in op.inputs
+                if storages[sid].kind == "activation" and storages[sid].producer not in (None, op.pos)
+            }
+        )
         inputs.append(tuple(producers))  # type: ignore[arg-type]
         for producer in producers:
             consumers[producer].append(op.pos)  # type: ignore[index]
@@ -339,15 +363,23 @@ def structural_reasons(recorder: StepRecorder) -> list[str]:
 def _writes_earlier_activation(recorder: StepRecorder, activations: set[int], first: int, end: int) -> bool:
     return any(
         sid in activations and recorder.storages[sid].producer < first
-        for op in recorder.ops[first:end] for sid in op.written
+        for op in recorder.ops[first:end]
+        for sid in op.written
     )
 
 
 def _call_records(recorder: StepRecorder, reasons: list[str], call_ms: list[float]) -> tuple[ModuleCall, ...]:
     return tuple(
         ModuleCall(
-            index=c.index, fqn=c.fqn, type=c.type, first_op=c.first_op, end_op=c.end_op, parent=c.parent,
-            checkpointable=not reasons[c.index], inputs=tuple(c.inputs), hand_off=c.hand_off,
+            index=c.index,
+            fqn=c.fqn,
+            type=c.type,
+            first_op=c.first_op,
+            end_op=c.end_op,
+            parent=c.parent,
+            checkpointable=not reasons[c.index],
+            inputs=tuple(c.inputs),
+            hand_off=c.hand_off,
             reason=reasons[c.index],
             time_ms=round(call_ms[c.index], 4),
         )
@@ -377,7 +409,9 @@ def device_info(device: torch.device) -> DeviceInfo:
         total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
         total = 0
-    return DeviceInfo(type="cpu", name=platform.processor() or platform.machine() or "cpu", total_memory_bytes=int(total))
+    return DeviceInfo(
+        type="cpu", name=platform.processor() or platform.machine() or "cpu", total_memory_bytes=int(total)
+    )
 
 
 def env_info() -> EnvInfo:

@@ -52,5 +52,8 @@ def measure_transfer(device: torch.device) -> Transfer | None:
     torch.cuda.empty_cache()
     host_fixed, host_rate = _line(SIZES, to_host)
     device_fixed, device_rate = _line(SIZES, to_device)
-    return Transfer(fixed_ms=round(max(0.0, (host_fixed + device_fixed) / 2), 5),
-                    to_host_bytes_per_ms=round(host_rate), to_device_bytes_per_ms=round(device_rate))
+    return Transfer(
+        fixed_ms=round(max(0.0, (host_fixed + device_fixed) / 2), 5),
+        to_host_bytes_per_ms=round(host_rate),
+        to_device_bytes_per_ms=round(device_rate),
+    )

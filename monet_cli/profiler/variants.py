@@ -45,10 +45,14 @@ def measure_variants(workload: Workload, sites: list[VariantSite]) -> tuple[Vari
         x = torch.randn(shapes[site.module], device=workload.device, dtype=torch.float32)
         native_bytes, variant_bytes = native.saved_bytes(x), variant.saved_bytes(x)
         native_ms, variant_ms = _interleaved_ms(native.run, variant.run, x, workload)
-        records.append(VariantRecord(
-            **site.site(),
-            time_ms=round(variant_ms - native_ms, 4), saved_bytes=variant_bytes, native_saved_bytes=native_bytes,
-        ))
+        records.append(
+            VariantRecord(
+                **site.site(),
+                time_ms=round(variant_ms - native_ms, 4),
+                saved_bytes=variant_bytes,
+                native_saved_bytes=native_bytes,
+            )
+        )
     return tuple(records)
 
 
@@ -113,8 +117,9 @@ def _shape_hook(shapes: dict[str, torch.Size], path: str) -> Callable:
     return hook
 
 
-def _interleaved_ms(native: Callable[[torch.Tensor], None], variant: Callable[[torch.Tensor], None],
-                    x: torch.Tensor, workload: Workload) -> tuple[float, float]:
+def _interleaved_ms(
+    native: Callable[[torch.Tensor], None], variant: Callable[[torch.Tensor], None], x: torch.Tensor, workload: Workload
+) -> tuple[float, float]:
     """Median milliseconds of each, run alternately after one warm-up run each."""
     times: dict[int, list[float]] = {0: [], 1: []}
     for repeat in range(REPEATS + 1):

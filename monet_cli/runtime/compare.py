@@ -63,8 +63,10 @@ class CheckResult:
         if self.mode == "exact":
             return "bit-exact (deterministic algorithms)"
         if self.mode == "variants":
-            return (f"within the variants' rtol {self.rtol:g}, atol {self.atol:g} x the largest gradient (largest "
-                    f"difference {self.max_relative_diff:.2g} of it; {len(self.variants)} variant sites not bit-exact)")
+            return (
+                f"within the variants' rtol {self.rtol:g}, atol {self.atol:g} x the largest gradient (largest "
+                f"difference {self.max_relative_diff:.2g} of it; {len(self.variants)} variant sites not bit-exact)"
+            )
         return f"within rtol {self.rtol:g}, atol {self.atol:g} (no deterministic kernel: {self.nondeterministic})"
 
 
@@ -128,8 +130,16 @@ def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], rtol: float, a
     return ok, worst
 
 
-def compare(baseline: dict, scheduled: dict, *, mode: str = "exact", rtol: float = 0.0, atol: float = 0.0,
-            nondeterministic: str = "", variants: tuple[str, ...] = ()) -> CheckResult:
+def compare(
+    baseline: dict,
+    scheduled: dict,
+    *,
+    mode: str = "exact",
+    rtol: float = 0.0,
+    atol: float = 0.0,
+    nondeterministic: str = "",
+    variants: tuple[str, ...] = (),
+) -> CheckResult:
     """In ``variants`` mode ``atol`` is relative to the largest gradient magnitude, and
     buffers (BatchNorm statistics) must still be equal."""
     largest = max((float(g.abs().max()) for g in baseline["grads"].values() if g.numel()), default=0.0)
@@ -137,11 +147,21 @@ def compare(baseline: dict, scheduled: dict, *, mode: str = "exact", rtol: float
     grads_ok, grad_diff = _same(baseline["grads"], scheduled["grads"], rtol, absolute)
     params_ok, _ = _same(baseline["params"], scheduled["params"], rtol, absolute)
     exact_buffers = mode == "variants"
-    buffers_ok, _ = _same(baseline["buffers"], scheduled["buffers"], 0.0 if exact_buffers else rtol,
-                          0.0 if exact_buffers else atol)
-    return CheckResult(grads_match=grads_ok, params_match=params_ok, buffers_match=buffers_ok,
-                       max_grad_diff=grad_diff, mode=mode, rtol=rtol, atol=atol, nondeterministic=nondeterministic,
-                       max_relative_diff=grad_diff / largest if largest else 0.0, variants=variants)
+    buffers_ok, _ = _same(
+        baseline["buffers"], scheduled["buffers"], 0.0 if exact_buffers else rtol, 0.0 if exact_buffers else atol
+    )
+    return CheckResult(
+        grads_match=grads_ok,
+        params_match=params_ok,
+        buffers_match=buffers_ok,
+        max_grad_diff=grad_diff,
+        mode=mode,
+        rtol=rtol,
+        atol=atol,
+        nondeterministic=nondeterministic,
+        max_relative_diff=grad_diff / largest if largest else 0.0,
+        variants=variants,
+    )
 
 
 class NoDeterministicKernel(ModelError):
@@ -152,7 +172,10 @@ class NoDeterministicKernel(ModelError):
 @contextlib.contextmanager
 def deterministic_algorithms():
     """``torch.use_deterministic_algorithms(True)`` for the block, restored after it."""
-    enabled, warn_only = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    enabled, warn_only = (
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
+    )
     torch.use_deterministic_algorithms(True)
     try:
         yield
@@ -208,8 +231,11 @@ def _checked_first_steps(schedule: Schedule, device: torch.device) -> tuple[Work
     if schedule.tolerance() is not None:  # the variants' stated tolerance covers both differences
         return baseline, scheduled, _variants_check(schedule, first_base, first_sched, nondeterministic=reason)
     rtol, atol = TOLERANCES[schedule.model.precision]
-    return baseline, scheduled, compare(first_base, first_sched, mode="tolerance", rtol=rtol, atol=atol,
-                                        nondeterministic=reason)
+    return (
+        baseline,
+        scheduled,
+        compare(first_base, first_sched, mode="tolerance", rtol=rtol, atol=atol, nondeterministic=reason),
+    )
 
 
 def check_gradients(schedule: Schedule, device: torch.device) -> CheckResult:
@@ -218,15 +244,29 @@ def check_gradients(schedule: Schedule, device: torch.device) -> CheckResult:
     return _checked_first_steps(schedule, device)[2]
 
 
-def _variants_check(schedule: Schedule, first_base: dict, first_sched: dict, *, nondeterministic: str = "") -> CheckResult:
+def _variants_check(
+    schedule: Schedule, first_base: dict, first_sched: dict, *, nondeterministic: str = ""
+) -> CheckResult:
     rtol, atol = schedule.tolerance()  # type: ignore[misc]
-    return compare(first_base, first_sched, mode="variants", rtol=rtol, atol=atol, nondeterministic=nondeterministic,
-                   variants=tuple(v.module for v in schedule.inexact_variants()))
+    return compare(
+        first_base,
+        first_sched,
+        mode="variants",
+        rtol=rtol,
+        atol=atol,
+        nondeterministic=nondeterministic,
+        variants=tuple(v.module for v in schedule.inexact_variants()),
+    )
 
 
 def run_apply(
-    schedule: Schedule, device: torch.device, *, steps: int, check: bool,
-    progress: Callable[[str], None] = lambda label: None, timeline: bool = False,
+    schedule: Schedule,
+    device: torch.device,
+    *,
+    steps: int,
+    check: bool,
+    progress: Callable[[str], None] = lambda label: None,
+    timeline: bool = False,
 ) -> ApplyReport:
     configure_cuda(device)
     keep_freed_host_memory()  # time the steps as the profile did
@@ -238,11 +278,15 @@ def run_apply(
         _run_first_step(scheduled, "scheduled step")
         result = None
     progress("measuring peak memory")
-    base_peak = run_checked(lambda: measure_peak(baseline, CHECK_SEED + 1, timeline=timeline, beside=scheduled),
-                            "baseline step")
-    sched_peak = run_checked(lambda: measure_peak(scheduled, CHECK_SEED + 1, timeline=timeline, beside=baseline,
-                                                 machinery=machinery(scheduled.model)),
-                             "scheduled step")
+    base_peak = run_checked(
+        lambda: measure_peak(baseline, CHECK_SEED + 1, timeline=timeline, beside=scheduled), "baseline step"
+    )
+    sched_peak = run_checked(
+        lambda: measure_peak(
+            scheduled, CHECK_SEED + 1, timeline=timeline, beside=baseline, machinery=machinery(scheduled.model)
+        ),
+        "scheduled step",
+    )
     base_ms, sched_ms = [], []
     for i in range(steps):
         progress(f"timing steps ({i + 1}/{steps})")

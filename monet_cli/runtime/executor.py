@@ -55,8 +55,11 @@ def apply_schedule(model: nn.Module, schedule: Schedule | str | Path, *, check_f
     refuse_existing_checkpointing(model)
     model.register_forward_pre_hook(_refuse_on_training_forward)
     if turn_off_kv_cache(model):
-        warnings.warn("monet: set model.config.use_cache = False for training, as transformers' own gradient "
-                      "checkpointing does: a recompute would fill the key/value cache twice", stacklevel=3)
+        warnings.warn(
+            "monet: set model.config.use_cache = False for training, as transformers' own gradient "
+            "checkpointing does: a recompute would fill the key/value cache twice",
+            stacklevel=3,
+        )
     if schedule.model.out_of_place_activations:
         make_out_of_place(model)
     modules = dict(model.named_modules())
@@ -112,8 +115,10 @@ def existing_checkpointing(model: nn.Module) -> str | None:
     for name, module in model.named_modules():
         where = f"'{name}'" if name else "the model"
         if getattr(module, "gradient_checkpointing", False) is True:
-            return (f"{where} has Hugging Face gradient checkpointing on: turn it off (model.gradient_checkpointing_disable(), "
-                    "or leave gradient_checkpointing out of TrainingArguments)")
+            return (
+                f"{where} has Hugging Face gradient checkpointing on: turn it off (model.gradient_checkpointing_disable(), "
+                "or leave gradient_checkpointing out of TrainingArguments)"
+            )
         if getattr(module, "grad_checkpointing", False) is True:
             return f"{where} has timm gradient checkpointing on: call model.set_grad_checkpointing(False)"
         if isinstance(module, CheckpointWrapper):
@@ -192,8 +197,12 @@ def _wrap_forward(module: nn.Module, keep: frozenset[tuple[str, int]], marker: M
 
         with marker:  # checkpoint's own bookkeeping, up to the model's ops in run_original
             return checkpoint(
-                run_rebuilt, *tensors, use_reentrant=False, preserve_rng_state=True,
-                context_fn=context_fn, determinism_check="default",
+                run_rebuilt,
+                *tensors,
+                use_reentrant=False,
+                preserve_rng_state=True,
+                context_fn=context_fn,
+                determinism_check="default",
             )
 
     module.forward = checkpointed
@@ -239,8 +248,14 @@ class _Chain:
     parent doing. Each member must be called in order with the previous one's output; any
     other call raises instead of checkpointing something else."""
 
-    def __init__(self, name: str, members: list[nn.Module], paths: tuple[str, ...],
-                 context_fn: Callable[[], Any], marker: MachineryMarker) -> None:
+    def __init__(
+        self,
+        name: str,
+        members: list[nn.Module],
+        paths: tuple[str, ...],
+        context_fn: Callable[[], Any],
+        marker: MachineryMarker,
+    ) -> None:
         self.name = name
         self.members = members
         self.paths = paths
@@ -316,8 +331,9 @@ class _Chain:
 
     def _fail(self, what: str) -> None:
         self._close()
-        raise FingerprintError(f"schedule segment '{self.name}' does not match this model: {what}, "
-                               "as the profiled forward did")
+        raise FingerprintError(
+            f"schedule segment '{self.name}' does not match this model: {what}, as the profiled forward did"
+        )
 
 
 def _guard_batchnorms(segment: nn.Module, *, itself: bool = False) -> None:

@@ -52,8 +52,11 @@ def warn_if_untested_torch() -> None:
     found = tuple(int(part) for part in torch_version().split(".")[:2] if part.isdigit())
     if found < OLDEST_TESTED_TORCH:
         oldest = ".".join(map(str, OLDEST_TESTED_TORCH))
-        warnings.warn(f"monet: torch {torch_version()} is older than {oldest}, the oldest torch monet is tested on: "
-                      "its memory and gradient promises are unverified here", stacklevel=2)
+        warnings.warn(
+            f"monet: torch {torch_version()} is older than {oldest}, the oldest torch monet is tested on: "
+            "its memory and gradient promises are unverified here",
+            stacklevel=2,
+        )
 
 
 class OpSequence(TorchDispatchMode):
@@ -250,7 +253,9 @@ def fake_cuda_fingerprint(model: nn.Module, args: tuple, kwargs: dict, precision
         raise RuntimeError(f"torch {torch.__version__} is a CPU-only build")
     mode = FakeTensorMode()
     with mode:
-        state = {name: mode.from_tensor(t).to("cuda") for name, t in (*model.named_parameters(), *model.named_buffers())}
+        state = {
+            name: mode.from_tensor(t).to("cuda") for name, t in (*model.named_parameters(), *model.named_buffers())
+        }
         args, kwargs = tree_map_only(torch.Tensor, lambda t: mode.from_tensor(t).to("cuda"), (args, kwargs))
     dtype = AUTOCAST_DTYPES.get(precision)
     with ModuleStack(model) as stack:

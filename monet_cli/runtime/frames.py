@@ -19,8 +19,9 @@ from torch.utils.checkpoint import _checkpoint_without_reentrant_generator
 from monet_cli.runtime.meter import MachineryMarker
 
 
-def open_frame(recompute: Callable[..., Any], context_fn: Callable[[], Any], marker: MachineryMarker,
-               *tensors: torch.Tensor) -> Any:
+def open_frame(
+    recompute: Callable[..., Any], context_fn: Callable[[], Any], marker: MachineryMarker, *tensors: torch.Tensor
+) -> Any:
     """Enter a frame whose recompute is ``recompute(*tensors)``; returns it, open."""
     frame = _checkpoint_without_reentrant_generator(recompute, True, context_fn, "default", False, True, *tensors)
     with marker:

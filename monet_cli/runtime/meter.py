@@ -225,12 +225,19 @@ def measure_step(
         meter.track(tensor, kind=kind, producer=None)
     with meter:
         step()
-    return Measurement(peak_bytes=meter.peak_bytes, meter="live-storages",
-                       timeline=tuple(meter.timeline) if timeline else ())
+    return Measurement(
+        peak_bytes=meter.peak_bytes, meter="live-storages", timeline=tuple(meter.timeline) if timeline else ()
+    )
 
 
-def measure_peak(workload: Workload, seed: int | None = None, *, timeline: bool = False,
-                 beside: Workload | None = None, machinery: MachineryMarker | None = None) -> Measurement:
+def measure_peak(
+    workload: Workload,
+    seed: int | None = None,
+    *,
+    timeline: bool = False,
+    beside: Workload | None = None,
+    machinery: MachineryMarker | None = None,
+) -> Measurement:
     """One step of ``workload`` (grads cleared first) under the device's memory meter;
     ``beside``: another workload alive on the same device, whose tensors are not this step's
     memory; ``machinery``: when checkpoint's bookkeeping runs (no timeline points)."""
@@ -238,5 +245,11 @@ def measure_peak(workload: Workload, seed: int | None = None, *, timeline: bool 
         torch.manual_seed(seed)
     workload.zero_grad()
     foreign = [] if beside is None else [t for t, _ in beside.resident_tensors()]
-    return measure_step(workload.step, device=workload.device, preexisting=workload.resident_tensors(),
-                        foreign=foreign, timeline=timeline, machinery=machinery)
+    return measure_step(
+        workload.step,
+        device=workload.device,
+        preexisting=workload.resident_tensors(),
+        foreign=foreign,
+        timeline=timeline,
+        machinery=machinery,
+    )

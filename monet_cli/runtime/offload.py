@@ -166,8 +166,13 @@ def _unpack(saved: Any) -> torch.Tensor:
 class _Offload:
     """Saved-tensor hooks around one module's forward, for one offload decision."""
 
-    def __init__(self, module: nn.Module, decision: OffloadDecision, store: Callable[[torch.device], HostStore],
-                 marker: MachineryMarker) -> None:
+    def __init__(
+        self,
+        module: nn.Module,
+        decision: OffloadDecision,
+        store: Callable[[torch.device], HostStore],
+        marker: MachineryMarker,
+    ) -> None:
         self.module = module
         self.marker = marker
         self.decision = decision
@@ -197,8 +202,10 @@ class _Offload:
         if ordinal not in self.moved:
             return _Kept(self.back, tensor)
         if tensor.layout != torch.strided:
-            raise FingerprintError(f"offload of '{self.decision.module}': save {ordinal} is a {tensor.layout} tensor, "
-                                   "which the profile did not see")
+            raise FingerprintError(
+                f"offload of '{self.decision.module}': save {ordinal} is a {tensor.layout} tensor, "
+                "which the profile did not see"
+            )
         key = (tensor.device, tensor.untyped_storage().data_ptr())
         copy = self.copies.get(key)
         if copy is None:
@@ -226,8 +233,10 @@ class _Offload:
             copy.device = None  # the forward's reference: the storage dies with Python's last one
         self.back.order = [self.first_save[n] for n in self.decision.fetch_order if n in self.first_save]
         if not self.failed and self.saves != self.decision.saves:
-            raise FingerprintError(f"offload of '{self.decision.module}': its forward saved {self.saves} tensors for "
-                                   f"backward, the schedule expects {self.decision.saves} (a changed model?)")
+            raise FingerprintError(
+                f"offload of '{self.decision.module}': its forward saved {self.saves} tensors for "
+                f"backward, the schedule expects {self.decision.saves} (a changed model?)"
+            )
 
 
 def pinned_host_store() -> Callable[[torch.device], HostStore]:
@@ -244,8 +253,12 @@ def pinned_host_store() -> Callable[[torch.device], HostStore]:
     return store
 
 
-def install_offloads(modules: Iterable[nn.Module], offloads: Iterable[OffloadDecision], marker: MachineryMarker,
-                     store: Callable[[torch.device], HostStore] | None = None) -> None:
+def install_offloads(
+    modules: Iterable[nn.Module],
+    offloads: Iterable[OffloadDecision],
+    marker: MachineryMarker,
+    store: Callable[[torch.device], HostStore] | None = None,
+) -> None:
     """Hook each offloaded call's module (``modules``, in the order of ``offloads``; the
     copies' ops run under ``marker``; ``store``: where the copies go, by device, pinned host
     memory on CUDA by default)."""

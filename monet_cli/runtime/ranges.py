@@ -93,8 +93,12 @@ class _Tape:
         """Hand what the range read from before it to autograd's saved-tensor hooks, all but
         parameters (which live anyway) and tensors an own op writes (their value is put back
         around the replay, which a saved tensor's version check would refuse)."""
-        written = {leaf.index for e in self.entries for k, leaf in enumerate(e.leaves)
-                   if k in e.writes and isinstance(leaf, _Before)}
+        written = {
+            leaf.index
+            for e in self.entries
+            for k, leaf in enumerate(e.leaves)
+            if k in e.writes and isinstance(leaf, _Before)
+        }
         at = tuple(k for k, t in enumerate(self.before) if not isinstance(t, nn.Parameter) and k not in written)
         if not at:
             return
@@ -151,7 +155,9 @@ class _Recorder(TorchDispatchMode):
         if self.owner.in_call is not None:
             return func(*args, **kwargs)
         leaves, layout = _op_leaves(args, kwargs)
-        entry = self.owner.entry(func, leaves, layout, written=_written(func, args, kwargs), grad=torch.is_grad_enabled())
+        entry = self.owner.entry(
+            func, leaves, layout, written=_written(func, args, kwargs), grad=torch.is_grad_enabled()
+        )
         out = func(*args, **kwargs)
         self.owner.made(entry, out)
         if _counted(func):
@@ -197,9 +203,9 @@ def _op_arguments(leaves: list[Any], layout: _OpLayout) -> tuple[list[Any], dict
             values.append(leaves[k])
             k += 1
         else:
-            values.append(leaves[k:k + length])
+            values.append(leaves[k : k + length])
             k += length
-    return values[:layout.positional], dict(zip(layout.names, values[layout.positional:]))
+    return values[: layout.positional], dict(zip(layout.names, values[layout.positional :]))
 
 
 def _as_sequence(value: Any) -> Sequence[Any]:
@@ -210,8 +216,11 @@ def _as_sequence(value: Any) -> Sequence[Any]:
 @functools.cache
 def _written_arguments(func: Any) -> tuple[tuple[int, str, bool], ...]:
     """(position, name, keyword-only) of each argument ``func`` writes in place (its schema's alias info says which)."""
-    return tuple((k, arg.name, arg.kwarg_only) for k, arg in enumerate(func._schema.arguments)
-                 if arg.alias_info is not None and arg.alias_info.is_write)
+    return tuple(
+        (k, arg.name, arg.kwarg_only)
+        for k, arg in enumerate(func._schema.arguments)
+        if arg.alias_info is not None and arg.alias_info.is_write
+    )
 
 
 def _written(func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
@@ -226,8 +235,9 @@ def _written(func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
 class RangeSegment:
     """One op range of the schedule, installed on its module and the modules it calls."""
 
-    def __init__(self, decision: SegmentDecision, parent: nn.Module, calls: list[nn.Module],
-                 marker: MachineryMarker) -> None:
+    def __init__(
+        self, decision: SegmentDecision, parent: nn.Module, calls: list[nn.Module], marker: MachineryMarker
+    ) -> None:
         self.decision = decision
         self.parent = parent
         self.calls = calls
@@ -300,13 +310,22 @@ class RangeSegment:
             self._close_checked()
 
     # -- recording --------------------------------------------------------------------
-    def entry(self, run: Any, leaves: list[Any], spec: Any, *, written: Sequence[torch.Tensor] = (),
-              grad: bool = True, is_call: bool = False) -> _Entry:
+    def entry(
+        self,
+        run: Any,
+        leaves: list[Any],
+        spec: Any,
+        *,
+        written: Sequence[torch.Tensor] = (),
+        grad: bool = True,
+        is_call: bool = False,
+    ) -> _Entry:
         refs = [self._ref(leaf) if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
         writes = tuple(k for k, leaf in enumerate(leaves) if any(leaf is t for t in written)) if written else ()
         tape = self.tape
-        entry = _Entry(run=run, leaves=refs, spec=spec, outputs=[], writes=writes, grad=grad, is_call=is_call,
-                       drop=tape.dropped)
+        entry = _Entry(
+            run=run, leaves=refs, spec=spec, outputs=[], writes=writes, grad=grad, is_call=is_call, drop=tape.dropped
+        )
         tape.dropped = []
         tape.entries.append(entry)
         return entry
@@ -403,8 +422,14 @@ class RangeSegment:
                 values[position] = leaf
 
     def _run(self, entry: _Entry, before: list[torch.Tensor | None], values: list[Any], under_autocast: bool) -> Any:
-        leaves = [values[leaf.position] if isinstance(leaf, _Made) else
-                  before[leaf.index] if isinstance(leaf, _Before) else leaf for leaf in entry.leaves]
+        leaves = [
+            values[leaf.position]
+            if isinstance(leaf, _Made)
+            else before[leaf.index]
+            if isinstance(leaf, _Before)
+            else leaf
+            for leaf in entry.leaves
+        ]
         if entry.is_call:
             args, kwargs = tree_unflatten(leaves, entry.spec)
             return entry.run(*args, **kwargs)

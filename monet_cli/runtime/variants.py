@@ -52,7 +52,8 @@ class _BatchNormKeepsOutput(torch.autograd.Function):
     def forward(ctx, x, weight, bias, running_mean, running_var, momentum, eps):
         # The same kernel choice as F.batch_norm (native on CPU, cuDNN where it applies).
         out, save_mean, save_invstd, _, _ = torch.ops.aten._batch_norm_impl_index(
-            x, weight, bias, running_mean, running_var, True, momentum, eps, torch.backends.cudnn.enabled)
+            x, weight, bias, running_mean, running_var, True, momentum, eps, torch.backends.cudnn.enabled
+        )
         # The batch mean is not read in backward, but PyTorch's node keeps it too: the profile's
         # packs stay what this node keeps (a few bytes per channel).
         ctx.save_for_backward(out, weight, bias, save_mean, save_invstd)
@@ -69,7 +70,8 @@ class _BatchNormKeepsOutput(torch.autograd.Function):
         # input, this zero statistic is the one tensor the variant adds to PyTorch's backward
         # (``monet_cli/core/variants.py`` counts both).
         gx, gw, gb = torch.ops.aten.native_batch_norm_backward(
-            grad.contiguous(), centred, weight, None, None, torch.zeros_like(invstd), invstd, True, ctx.eps, mask)
+            grad.contiguous(), centred, weight, None, None, torch.zeros_like(invstd), invstd, True, ctx.eps, mask
+        )
         return gx, gw, gb, None, None, None, None
 
 
@@ -114,7 +116,8 @@ class _ConvRecomputesInput(torch.autograd.Function):
         mask = [ctx.needs_input_grad[0], ctx.needs_input_grad[5], bias_sizes is not None and ctx.needs_input_grad[6]]
         zeros = [0] * len(stride)
         gr, gw, gb = torch.ops.aten.convolution_backward(
-            grad, r, weight, bias_sizes, stride, padding, dilation, False, zeros, groups, mask)
+            grad, r, weight, bias_sizes, stride, padding, dilation, False, zeros, groups, mask
+        )
         return gr, None, None, None, None, gw, gb
 
 
@@ -141,8 +144,9 @@ def bn_weight_too_small(module: nn.Module) -> bool:
 def _batchnorm_forward(module: nn.modules.batchnorm._BatchNorm, original):
     @functools.wraps(original)
     def forward(x: torch.Tensor) -> torch.Tensor:
-        if not (module.training and torch.is_grad_enabled() and module.track_running_stats and module.affine) \
-                or bn_weight_too_small(module):
+        if not (
+            module.training and torch.is_grad_enabled() and module.track_running_stats and module.affine
+        ) or bn_weight_too_small(module):
             return original(x)
         module._check_input_dim(x)
         # nn.BatchNorm's own bookkeeping, in its order (the counter first, as its forward does).
@@ -150,8 +154,9 @@ def _batchnorm_forward(module: nn.modules.batchnorm._BatchNorm, original):
         if module.num_batches_tracked is not None:
             module.num_batches_tracked.add_(1)
             factor = 1.0 / float(module.num_batches_tracked) if module.momentum is None else module.momentum
-        out = _BatchNormKeepsOutput.apply(x, module.weight, module.bias, module.running_mean, module.running_var,
-                                          factor, module.eps)
+        out = _BatchNormKeepsOutput.apply(
+            x, module.weight, module.bias, module.running_mean, module.running_var, factor, module.eps
+        )
         setattr(out, _FROM_VARIANT_BN, True)
         return out
 
@@ -239,8 +244,12 @@ def _maxpool_forward(module: nn.MaxPool2d, original, machinery: MachineryMarker)
     return forward
 
 
-_WRAPPERS = {"bn": _batchnorm_forward, "activation": _activation_forward, "conv": _conv_forward,
-             "maxpool": _maxpool_forward}
+_WRAPPERS = {
+    "bn": _batchnorm_forward,
+    "activation": _activation_forward,
+    "conv": _conv_forward,
+    "maxpool": _maxpool_forward,
+}
 
 
 def install_variants(model: nn.Module, sites: Iterable[VariantSite], machinery: MachineryMarker | None = None) -> None:
@@ -251,8 +260,10 @@ def install_variants(model: nn.Module, sites: Iterable[VariantSite], machinery: 
         for role, path in site.roles():
             module = modules.get(path)
             if module is None:
-                raise FingerprintError(f"schedule variant at '{site.module}' names '{path}', which is not a "
-                                       "module of this model (the schedule was made for another model)")
+                raise FingerprintError(
+                    f"schedule variant at '{site.module}' names '{path}', which is not a "
+                    "module of this model (the schedule was made for another model)"
+                )
             problem = _module_problem(role, module)
             if problem:
                 raise FingerprintError(f"schedule variant at '{site.module}': '{path}' {problem}")

@@ -96,7 +96,9 @@ def _spec_from(model_arg: str, name: str, config: RunConfig, overrides: Override
     )
 
 
-def _inputs(source: str, target: str, kwargs: dict[str, Any], given: tuple[InputSpec, ...] | None) -> tuple[InputSpec, ...]:
+def _inputs(
+    source: str, target: str, kwargs: dict[str, Any], given: tuple[InputSpec, ...] | None
+) -> tuple[InputSpec, ...]:
     """The inputs as given, or the ones the model's source implies."""
     if source == "hf" and not (given and all(spec.name for spec in given)):
         from monet_cli.workload.hf import hf_inputs
@@ -114,19 +116,23 @@ def _hf_shape(given: tuple[InputSpec, ...] | None) -> tuple[int, ...] | None:
     if not given:
         return None
     if len(given) != 1 or given[0].dtype != "float32" or given[0].low is not None:
-        raise UsageError("hf: models take one --input-shape (the sequence length, or C,H,W for images); "
-                         "monet builds input_ids, attention_mask and labels itself, so --input-dtype and "
-                         "--input-range do not apply")
+        raise UsageError(
+            "hf: models take one --input-shape (the sequence length, or C,H,W for images); "
+            "monet builds input_ids, attention_mask and labels itself, so --input-dtype and "
+            "--input-range do not apply"
+        )
     return given[0].shape
 
 
 def _classify_target(target: str) -> tuple[str, str]:
     for prefix in ("hf", "timm"):
         if target.startswith(f"{prefix}:"):
-            name = target[len(prefix) + 1:]
+            name = target[len(prefix) + 1 :]
             if not name:
-                raise UsageError(f"'{target}': name a model after '{prefix}:', e.g. {prefix}:" +
-                                 ("llama" if prefix == "hf" else "convnext_atto"))
+                raise UsageError(
+                    f"'{target}': name a model after '{prefix}:', e.g. {prefix}:"
+                    + ("llama" if prefix == "hf" else "convnext_atto")
+                )
             if prefix == "timm":
                 _check_timm_name(name)
             return prefix, name
@@ -260,4 +266,3 @@ def parse_input_range(text: str) -> tuple[int, int]:
     if not sep or bounds[0] >= bounds[1]:
         raise UsageError(f"input range '{text}': LOW must be below HIGH")
     return bounds
-

@@ -24,13 +24,30 @@ from monet_cli.workload.resolve import build_model
 
 # Activation modules whose in-place mode stops a schedule from keeping their output.
 _ACTIVATIONS_WITH_INPLACE = (
-    nn.ReLU, nn.ReLU6, nn.Hardtanh, nn.LeakyReLU, nn.SiLU, nn.Hardswish, nn.Hardsigmoid,
-    nn.ELU, nn.CELU, nn.SELU, nn.Mish, nn.RReLU, nn.Threshold,
+    nn.ReLU,
+    nn.ReLU6,
+    nn.Hardtanh,
+    nn.LeakyReLU,
+    nn.SiLU,
+    nn.Hardswish,
+    nn.Hardsigmoid,
+    nn.ELU,
+    nn.CELU,
+    nn.SELU,
+    nn.Mish,
+    nn.RReLU,
+    nn.Threshold,
 )
 
 _DTYPES = {
-    "float32": torch.float32, "float": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
-    "float64": torch.float64, "int64": torch.int64, "long": torch.int64, "int32": torch.int32,
+    "float32": torch.float32,
+    "float": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float64": torch.float64,
+    "int64": torch.int64,
+    "long": torch.int64,
+    "int32": torch.int32,
 }
 
 
@@ -65,8 +82,11 @@ def make_out_of_place(model: nn.Module) -> tuple[nn.Module, ...]:
     BatchNorm's output mutated, which selective checkpointing refuses to keep. The
     out-of-place version costs no memory when the next op saves the output anyway.
     """
-    changed = tuple(module for module in model.modules()
-                    if isinstance(module, _ACTIVATIONS_WITH_INPLACE) and getattr(module, "inplace", False))
+    changed = tuple(
+        module
+        for module in model.modules()
+        if isinstance(module, _ACTIVATIONS_WITH_INPLACE) and getattr(module, "inplace", False)
+    )
     for module in changed:
         module.inplace = False
     return changed
@@ -85,7 +105,9 @@ def turn_off_kv_cache(model: nn.Module) -> bool:
     return False
 
 
-def make_inputs(specs: tuple[InputSpec, ...], batch_size: int, device: torch.device, seed: int) -> tuple[torch.Tensor, ...]:
+def make_inputs(
+    specs: tuple[InputSpec, ...], batch_size: int, device: torch.device, seed: int
+) -> tuple[torch.Tensor, ...]:
     generator = torch.Generator().manual_seed(seed + 1)
     tensors = []
     for spec in specs:
@@ -273,8 +295,7 @@ class Workload:
                 self.scaler.update()
         return float(loss.detach())
 
-    def timed_step(self, seed: int | None = None,
-                   on_phase: Callable[[str, torch.Tensor], None] | None = None) -> float:
+    def timed_step(self, seed: int | None = None, on_phase: Callable[[str, torch.Tensor], None] | None = None) -> float:
         """One plain step including ``zero_grad``; returns its wall time in ms (``on_phase`` as
         in ``step``)."""
         if seed is not None:

@@ -31,7 +31,8 @@ def apply(
         Optional[Path], typer.Option(help="Write measured (and predicted) memory timelines (.html, .png, .svg).")
     ] = None,
     profile: Annotated[
-        Optional[Path], typer.Option(help="The schedule's profile, for the predicted timeline. Default: found in configs/.")
+        Optional[Path],
+        typer.Option(help="The schedule's profile, for the predicted timeline. Default: found in configs/."),
     ] = None,
     json_output: JsonOutput = False,
 ) -> None:
@@ -39,6 +40,13 @@ def apply(
 
     with user_errors():
         apply_cmd.run(
-            apply_cmd.ApplyArgs(schedule=schedule, steps=steps, check=check, device=device, json_output=json_output,
-                                timeline=timeline, profile=profile)
+            apply_cmd.ApplyArgs(
+                schedule=schedule,
+                steps=steps,
+                check=check,
+                device=device,
+                json_output=json_output,
+                timeline=timeline,
+                profile=profile,
+            )
         )

@@ -54,11 +54,25 @@ def estimate(
         else:
             from monet_cli.cli import profile_cmd
 
-            profile = profile_cmd.profile_only(profile_cmd.ProfileArgs(
-                model=target, batch_size=batch_size, input_shapes=input_shape or [], input_dtypes=input_dtype or [],
-                input_range=input_range, model_args=model_arg or [], device=device, optimizer=optimizer, lr=None,
-                loss=None, steps=1, seed=None, output=None, json_output=json_output, precision=precision,
-            ))
+            profile = profile_cmd.profile_only(
+                profile_cmd.ProfileArgs(
+                    model=target,
+                    batch_size=batch_size,
+                    input_shapes=input_shape or [],
+                    input_dtypes=input_dtype or [],
+                    input_range=input_range,
+                    model_args=model_arg or [],
+                    device=device,
+                    optimizer=optimizer,
+                    lr=None,
+                    loss=None,
+                    steps=1,
+                    seed=None,
+                    output=None,
+                    json_output=json_output,
+                    precision=precision,
+                )
+            )
         result = estimate_cmd.estimate(profile, target, fits)
         if json_output:
             print_json(estimate_cmd.as_dict(result))

@@ -21,7 +21,8 @@ HELP = (
 def inspect(
     file: Annotated[Path, typer.Argument(help="A profile or a schedule.")],
     profile: Annotated[
-        Optional[Path], typer.Option(help="The schedule's profile. Default: the configs/*.profile.yaml it was solved from.")
+        Optional[Path],
+        typer.Option(help="The schedule's profile. Default: the configs/*.profile.yaml it was solved from."),
     ] = None,
     timeline: Annotated[Optional[Path], typer.Option(help="Write a memory timeline (.html, .png, .svg).")] = None,
     json_output: JsonOutput = False,

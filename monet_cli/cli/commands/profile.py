@@ -37,7 +37,9 @@ HELP = (
 
 
 def profile(
-    model: Annotated[str, typer.Argument(help="Run config, hf:NAME, timm:NAME, torchvision name or package.module:function.")],
+    model: Annotated[
+        str, typer.Argument(help="Run config, hf:NAME, timm:NAME, torchvision name or package.module:function.")
+    ],
     batch_size: BatchSize = None,
     input_shape: InputShape = None,
     input_dtype: InputDtype = None,
@@ -53,8 +55,10 @@ def profile(
     ] = None,
     steps: Annotated[
         int,
-        typer.Option(help="Timed steps after one warm-up (short steps: up to 5 times as many, as fit in 3 s); "
-                          "times are their median."),
+        typer.Option(
+            help="Timed steps after one warm-up (short steps: up to 5 times as many, as fit in 3 s); "
+            "times are their median."
+        ),
     ] = 3,
     seed: Annotated[Optional[int], typer.Option(help="Seed for weights and random inputs.")] = None,
     output: Annotated[
@@ -67,8 +71,20 @@ def profile(
     with user_errors():
         profile_cmd.run(
             profile_cmd.ProfileArgs(
-                model=model, batch_size=batch_size, input_shapes=input_shape or [], input_dtypes=input_dtype or [],
-                input_range=input_range, model_args=model_arg or [], device=device, optimizer=optimizer, lr=lr,
-                loss=loss, steps=steps, seed=seed, output=output, json_output=json_output, precision=precision,
+                model=model,
+                batch_size=batch_size,
+                input_shapes=input_shape or [],
+                input_dtypes=input_dtype or [],
+                input_range=input_range,
+                model_args=model_arg or [],
+                device=device,
+                optimizer=optimizer,
+                lr=lr,
+                loss=loss,
+                steps=steps,
+                seed=seed,
+                output=output,
+                json_output=json_output,
+                precision=precision,
             )
         )

@@ -30,8 +30,10 @@ def solve(
     time_limit: Annotated[float, typer.Option("--time-limit", help="Solver time limit in seconds.")] = 60.0,
     gap: Annotated[
         float,
-        typer.Option(help="Stop once the schedule's added time is proven within this fraction of the least "
-                          "possible (0.01 = 1%); 0: prove it optimal or run to --time-limit."),
+        typer.Option(
+            help="Stop once the schedule's added time is proven within this fraction of the least "
+            "possible (0.01 = 1%); 0: prove it optimal or run to --time-limit."
+        ),
     ] = 0.01,
     workers: Annotated[
         Optional[int], typer.Option(help="CP-SAT workers. Default: CPU cores (max 8); 1 when CI is set.")
@@ -39,18 +41,24 @@ def solve(
     seed: Annotated[int, typer.Option(help="CP-SAT random seed.")] = 0,
     sweep: Annotated[
         Optional[str],
-        typer.Option(help="Solve a range of budgets START:STOP:STEP, e.g. 90%:40%:10% or 16G:4G:2G; one schedule each."),
+        typer.Option(
+            help="Solve a range of budgets START:STOP:STEP, e.g. 90%:40%:10% or 16G:4G:2G; one schedule each."
+        ),
     ] = None,
     plot: Annotated[Optional[Path], typer.Option(help="With --sweep: draw overhead vs memory (.png/.svg).")] = None,
     variants: Annotated[
         bool,
-        typer.Option(help="Let the solver choose operator variants (output-keeping BatchNorm; gradients within a "
-                          "stated tolerance). --no-variants: none, bit-exact gradients (offloads stay: see --offload)."),
+        typer.Option(
+            help="Let the solver choose operator variants (output-keeping BatchNorm; gradients within a "
+            "stated tolerance). --no-variants: none, bit-exact gradients (offloads stay: see --offload)."
+        ),
     ] = True,
     offload: Annotated[
         bool,
-        typer.Option(help="Let the solver move a module call's saved tensors to host memory until backward needs "
-                          "them (CUDA profiles only: they measure the copy speed). --no-offload: never."),
+        typer.Option(
+            help="Let the solver move a module call's saved tensors to host memory until backward needs "
+            "them (CUDA profiles only: they measure the copy speed). --no-offload: never."
+        ),
     ] = True,
     json_output: JsonOutput = False,
 ) -> None:
@@ -65,8 +73,16 @@ def solve(
         if sweep and output is not None:
             raise UsageError("--output names one file; with --sweep schedules go to schedules/NAME-BUDGET.yaml")
         args = solve_cmd.SolveArgs(
-            profile=profile, budget=budget, output=output, time_limit=time_limit, gap=gap, workers=workers,
-            seed=seed, json_output=json_output, variants=variants, offloads=offload,
+            profile=profile,
+            budget=budget,
+            output=output,
+            time_limit=time_limit,
+            gap=gap,
+            workers=workers,
+            seed=seed,
+            json_output=json_output,
+            variants=variants,
+            offloads=offload,
         )
         if sweep:
             solve_cmd.run_sweep(args, sweep, plot)

@@ -36,7 +36,9 @@ def validate(
         else:
             colours = {"passed": "green", "failed": "red", "not checked": "yellow"}
             for check in result.checks:
-                stderr.print(f"[{colours[check.status]}]{check.status:>11}[/] {check.name}: {check.detail}", highlight=False)
+                stderr.print(
+                    f"[{colours[check.status]}]{check.status:>11}[/] {check.name}: {check.detail}", highlight=False
+                )
             if result.ok:
                 unchecked = sum(c.status == "not checked" for c in result.checks)
                 note = f" ({unchecked} not checked, listed above)" if unchecked else ""

@@ -98,16 +98,27 @@ def step_costs(model: SegmentModel) -> Costs:
     for (outer, inner), frames in model.pair_frames.items():
         frame = frames[outer]
         nest[(outer, inner)] = round(model.added_ms(outer, frame=frame) * US_PER_MS) - seg[outer]
-    return Costs(seg=seg, keep_saving=keep_saving, policy=policy, nest=nest, variant=variant,
-                 first_frame=round(model.profile.overheads.first_frame_ms * US_PER_MS))
+    return Costs(
+        seg=seg,
+        keep_saving=keep_saving,
+        policy=policy,
+        nest=nest,
+        variant=variant,
+        first_frame=round(model.profile.overheads.first_frame_ms * US_PER_MS),
+    )
 
 
 def objective_us(model: SegmentModel, costs: Costs, plan: Plan, variants: Variants = frozenset()) -> int:
     """The objective of ``plan`` exactly as ``build_model`` writes it."""
-    return (costs.first_frame if plan else 0) + sum(costs.variant[v] for v in variants) + sum(
-        costs.seg[c] + (costs.policy[c] if kept else 0) - sum(costs.keep_saving[(c, i)] for i in kept)
-        for c, kept in plan.items()
-    ) + sum(costs.nest[path[-2:]] for path in nest_paths(model, plan))
+    return (
+        (costs.first_frame if plan else 0)
+        + sum(costs.variant[v] for v in variants)
+        + sum(
+            costs.seg[c] + (costs.policy[c] if kept else 0) - sum(costs.keep_saving[(c, i)] for i in kept)
+            for c, kept in plan.items()
+        )
+        + sum(costs.nest[path[-2:]] for path in nest_paths(model, plan))
+    )
 
 
 def row_at(linear: LinearMemory, j: int, slack: int = 0, plan: Plan | None = None) -> MemoryRow:
@@ -115,13 +126,26 @@ def row_at(linear: LinearMemory, j: int, slack: int = 0, plan: Plan | None = Non
     that move memory at ``j``."""
     seg_coefs, keep_coefs, nest_coefs, triple_coefs, variant_coefs = linear.coefficients_at(j)
     cut_for = tuple(sorted(c for c in seg_coefs if c in plan)) if slack and plan else ()
-    return MemoryRow(point=j, base=int(linear.base[j]), seg_coefs=seg_coefs, keep_coefs=keep_coefs,
-                     nest_coefs=nest_coefs, triple_coefs=triple_coefs, variant_coefs=variant_coefs,
-                     burst_of=linear.points[j].burst_of, slack=slack, cut_for=cut_for)
+    return MemoryRow(
+        point=j,
+        base=int(linear.base[j]),
+        seg_coefs=seg_coefs,
+        keep_coefs=keep_coefs,
+        nest_coefs=nest_coefs,
+        triple_coefs=triple_coefs,
+        variant_coefs=variant_coefs,
+        burst_of=linear.points[j].burst_of,
+        slack=slack,
+        cut_for=cut_for,
+    )
 
 
 def build_model(
-    model: SegmentModel, rows: list[MemoryRow], *, budget_bytes: int | None, min_peak: bool = False,
+    model: SegmentModel,
+    rows: list[MemoryRow],
+    *,
+    budget_bytes: int | None,
+    min_peak: bool = False,
     variants: tuple[int, ...] = (),
 ) -> tuple[cp_model.CpModel, Variables]:
     """The CP model over the segments and the offered ``variants``; ``budget_bytes=None`` with
@@ -139,9 +163,14 @@ def build_model(
     _add_variants(cp, model, v, variants)
     unit = memory_unit(rows, budget_bytes)
     if min_peak:
-        top = max((_units(r.base + r.slack, unit) + sum(max(0, _units(x, unit)) for coefs in _coefficients(r)
-                                                        for x in coefs.values())
-                   for r in rows), default=0)
+        top = max(
+            (
+                _units(r.base + r.slack, unit)
+                + sum(max(0, _units(x, unit)) for coefs in _coefficients(r) for x in coefs.values())
+                for r in rows
+            ),
+            default=0,
+        )
         v.peak = cp.new_int_var(0, max(top, 1), "peak")
     limit = v.peak if min_peak else budget_bytes // unit
     for row in rows:
@@ -230,8 +259,11 @@ in units of 64 to 1,024 bytes the same rows solve to the right optimum."""
 def memory_unit(rows: list[MemoryRow], budget_bytes: int | None) -> int:
     """Bytes per unit of the CP model's memory rows: the smallest power of two that keeps every
     row's numbers within ``MAX_ROW_UNITS``."""
-    largest = max([abs(budget_bytes or 0)] + [abs(r.base + r.slack) for r in rows]
-                  + [abs(x) for r in rows for coefs in _coefficients(r) for x in coefs.values()])
+    largest = max(
+        [abs(budget_bytes or 0)]
+        + [abs(r.base + r.slack) for r in rows]
+        + [abs(x) for r in rows for coefs in _coefficients(r) for x in coefs.values()]
+    )
     unit = 1
     while largest // unit > MAX_ROW_UNITS:
         unit *= 2
@@ -248,11 +280,13 @@ def _units(nbytes: int, unit: int) -> int:
     return -(-nbytes // unit)
 
 
-def _add_memory_row(cp: cp_model.CpModel, v: Variables, row: MemoryRow, limit: cp_model.IntVar | int,
-                    unit: int) -> None:
+def _add_memory_row(
+    cp: cp_model.CpModel, v: Variables, row: MemoryRow, limit: cp_model.IntVar | int, unit: int
+) -> None:
     families = zip(_coefficients(row), (v.seg, v.keep, v.nest, v.triple, v.variant))
     expr = _units(row.base + row.slack, unit) + sum(
-        _units(coef, unit) * variables[key] for coefs, variables in families for key, coef in coefs.items())
+        _units(coef, unit) * variables[key] for coefs, variables in families for key, coef in coefs.items()
+    )
     constraint = cp.add(expr <= limit)
     enforced_by = [v.seg[c] for c in row.cut_for]
     if isinstance(row.burst_of, tuple):
@@ -263,7 +297,9 @@ def _add_memory_row(cp: cp_model.CpModel, v: Variables, row: MemoryRow, limit: c
         constraint.only_enforce_if(enforced_by)
 
 
-def add_hint(cp: cp_model.CpModel, model: SegmentModel, v: Variables, plan: Plan, variants: Variants = frozenset()) -> None:
+def add_hint(
+    cp: cp_model.CpModel, model: SegmentModel, v: Variables, plan: Plan, variants: Variants = frozenset()
+) -> None:
     paths = set(nest_paths(model, plan))
     links = {path[-2:] for path in paths}
     for pair, var in v.nest.items():

@@ -115,7 +115,9 @@ class LinearMemory:
         for call, seg in model.segments.items():
             if seg.burst_pos is not None:
                 frame = model.frames({call: frozenset()})[call]
-                points += [Point(key=burst_key(model, frame, op, 1), burst_of=call) for op in range(seg.first_op, stops[call])]
+                points += [
+                    Point(key=burst_key(model, frame, op, 1), burst_of=call) for op in range(seg.first_op, stops[call])
+                ]
         # A nested segment's burst, likewise, runs past its own stop when it holds an op range.
         nested_stops = {pair: frames[pair[1]].stop for pair, frames in model.pair_frames.items()}
         for (outer, middle, _), frames in model.triple_frames.items():
@@ -182,8 +184,11 @@ class LinearMemory:
 
     @cached_property
     def keep_delta(self) -> dict[tuple[int, int], StepRow]:
-        return {(c, i): self._step_row(keep_delta_events(self.model, c, i))
-                for c, seg in self.model.segments.items() for i in seg.candidates}
+        return {
+            (c, i): self._step_row(keep_delta_events(self.model, c, i))
+            for c, seg in self.model.segments.items()
+            for i in seg.candidates
+        }
 
     @cached_property
     def nest_delta(self) -> dict[tuple[int, int], StepRow]:
@@ -212,12 +217,23 @@ class LinearMemory:
                 self.triple_delta[path].add_to(total)
         return np.where(self.active_mask(plan), total, 0)
 
-    def coefficients_at(self, j: int) -> tuple[dict[int, int], dict[tuple[int, int], int], dict[tuple[int, int], int],
-                                               dict[tuple[int, int, int], int], dict[int, int]]:
+    def coefficients_at(
+        self, j: int
+    ) -> tuple[
+        dict[int, int],
+        dict[tuple[int, int], int],
+        dict[tuple[int, int], int],
+        dict[tuple[int, int, int], int],
+        dict[int, int],
+    ]:
         """Every non-zero segment, keep, nesting (pairs, then triples) and variant coefficient at point ``j``."""
-        return (_nonzero_at(self.seg_delta, self._seg_spans, j), _nonzero_at(self.keep_delta, self._keep_spans, j),
-                _nonzero_at(self.nest_delta, self._nest_spans, j), _nonzero_at(self.triple_delta, self._triple_spans, j),
-                _nonzero_at(self.variant_delta, self._variant_spans, j))
+        return (
+            _nonzero_at(self.seg_delta, self._seg_spans, j),
+            _nonzero_at(self.keep_delta, self._keep_spans, j),
+            _nonzero_at(self.nest_delta, self._nest_spans, j),
+            _nonzero_at(self.triple_delta, self._triple_spans, j),
+            _nonzero_at(self.variant_delta, self._variant_spans, j),
+        )
 
     @cached_property
     def _triple_spans(self) -> tuple[list, np.ndarray, np.ndarray]:
@@ -244,8 +260,13 @@ class LinearMemory:
         one with the highest base. Only it can bind within its stretch."""
         n = len(self.points)
         cuts = {0}
-        rows = (*self.seg_delta.values(), *self.keep_delta.values(), *self.nest_delta.values(),
-                *self.triple_delta.values(), *self.variant_delta.values())
+        rows = (
+            *self.seg_delta.values(),
+            *self.keep_delta.values(),
+            *self.nest_delta.values(),
+            *self.triple_delta.values(),
+            *self.variant_delta.values(),
+        )
         for row in rows:
             cuts.update(row.at.tolist())
         bursts: dict = {None: -1}
@@ -265,11 +286,16 @@ class LinearMemory:
         dispatching it)."""
         frames = self.model.frames(plan)
         stops = {_path(frames, call): frame.stop for call, frame in frames.items()}
-        return np.array([
-            p.burst_of is None or (p.key[-2] < stops.get(p.burst_of, -1)
-                                   and (isinstance(p.burst_of, tuple) or p.key[-2] not in plan[p.burst_of]))
-            for p in self.points
-        ])
+        return np.array(
+            [
+                p.burst_of is None
+                or (
+                    p.key[-2] < stops.get(p.burst_of, -1)
+                    and (isinstance(p.burst_of, tuple) or p.key[-2] not in plan[p.burst_of])
+                )
+                for p in self.points
+            ]
+        )
 
 
 def nest_paths(model: SegmentModel, plan: Plan) -> list[Path]:

@@ -59,15 +59,24 @@ class MinimumPeak:
     breakdown: dict[str, int]
 
 
-def solver_info(outcome: SolveOutcome, *, workers: int, seed: int, time_limit_s: float,
-                relative_gap: float = 0.0) -> SolverInfo:
+def solver_info(
+    outcome: SolveOutcome, *, workers: int, seed: int, time_limit_s: float, relative_gap: float = 0.0
+) -> SolverInfo:
     """What a schedule file records about the solve that produced it."""
     import ortools
 
     return SolverInfo(
-        method=outcome.method, status=outcome.status, objective=outcome.objective_ms, bound=outcome.bound_ms,
-        gap=outcome.gap, time_s=outcome.time_s, workers=workers, seed=seed, time_limit_s=time_limit_s,
-        gap_limit=relative_gap, ortools=ortools.__version__,
+        method=outcome.method,
+        status=outcome.status,
+        objective=outcome.objective_ms,
+        bound=outcome.bound_ms,
+        gap=outcome.gap,
+        time_s=outcome.time_s,
+        workers=workers,
+        seed=seed,
+        time_limit_s=time_limit_s,
+        gap_limit=relative_gap,
+        ortools=ortools.__version__,
     )
 
 
@@ -81,8 +90,9 @@ class Planner:
     def __init__(self, model: SegmentModel, *, variants: bool = True, offloads: bool = True) -> None:
         self.model = model
         self.profile = model.profile
-        self.offered = tuple(i for i, site in enumerate(model.profile.variants)
-                             if (offloads if site.impl == "offload" else variants))
+        self.offered = tuple(
+            i for i, site in enumerate(model.profile.variants) if (offloads if site.impl == "offload" else variants)
+        )
         """The operator variants and offloads the solver may choose (``variants=False``: no
         operator variant; ``offloads=False``: no offload)."""
         self.linear = LinearMemory(model, variants=self.offered)
@@ -90,8 +100,15 @@ class Planner:
         """The points whose rows can bind; a row is built when it joins the CP model."""
 
     def solve(
-        self, budget_bytes: int, *, time_limit_s: float, workers: int, seed: int, relative_gap: float = 0.0,
-        report: Report = _quiet, hint: Hint | None = None,
+        self,
+        budget_bytes: int,
+        *,
+        time_limit_s: float,
+        workers: int,
+        seed: int,
+        relative_gap: float = 0.0,
+        report: Report = _quiet,
+        hint: Hint | None = None,
     ) -> SolveOutcome:
         """The fastest plan within ``budget_bytes`` that the simulator accepts. With
         ``relative_gap`` > 0 CP-SAT stops once its answer is proven within that fraction of the
@@ -111,8 +128,15 @@ class Planner:
             cp, variables = build_model(self.model, rows, budget_bytes=budget_bytes, variants=self.offered)
             add_hint(cp, self.model, variables, *hint)
             cp_result = solve_model(
-                cp, variables, time_limit_s=remaining, workers=workers, seed=seed, relative_gap=relative_gap,
-                on_incumbent=lambda obj, bnd, t: report(f"incumbent {obj / 1000:.3f} ms added, bound {bnd / 1000:.3f} ms, {t:.1f}s"),
+                cp,
+                variables,
+                time_limit_s=remaining,
+                workers=workers,
+                seed=seed,
+                relative_gap=relative_gap,
+                on_incumbent=lambda obj, bnd, t: report(
+                    f"incumbent {obj / 1000:.3f} ms added, bound {bnd / 1000:.3f} ms, {t:.1f}s"
+                ),
             )
             status = cp_result.status
             if cp_result.plan is None:
@@ -129,17 +153,19 @@ class Planner:
                 break
             rows = rows + added
         if best is None:
-            return self._outcome(None, None, "INFEASIBLE" if status == "INFEASIBLE" else "UNKNOWN",
-                                 "cp-sat", None, None, start, rounds)
+            return self._outcome(
+                None, None, "INFEASIBLE" if status == "INFEASIBLE" else "UNKNOWN", "cp-sat", None, None, start, rounds
+            )
         plan, variants, result = best
         if objective is None:  # CP-SAT did not confirm: keep the warm start, honestly labelled
-            return self._outcome(plan, result, "FEASIBLE", f"heuristic ({name})", result.added_ms, None, start, rounds,
-                                 variants)
-        return self._outcome(plan, result, status, "cp-sat", objective / 1000, bound / 1000, start, rounds,
-                             variants)
+            return self._outcome(
+                plan, result, "FEASIBLE", f"heuristic ({name})", result.added_ms, None, start, rounds, variants
+            )
+        return self._outcome(plan, result, status, "cp-sat", objective / 1000, bound / 1000, start, rounds, variants)
 
-    def _warm_start(self, budget_bytes: int, hint: Hint | None, search_s: float, workers: int, seed: int,
-                    report: Report) -> tuple[str, tuple[Plan, Variants, SimResult] | None, Hint]:
+    def _warm_start(
+        self, budget_bytes: int, hint: Hint | None, search_s: float, workers: int, seed: int, report: Report
+    ) -> tuple[str, tuple[Plan, Variants, SimResult] | None, Hint]:
         """The fastest start that fits: the best heuristic's plan or the caller's ``hint``. When
         neither fits, the smallest peak's plan found within ``search_s`` (near that peak CP-SAT
         alone may find no plan in time, and a user would be told to raise the time limit for a
@@ -153,15 +179,18 @@ class Planner:
         if best is None:
             lowest = self.minimum_peak(time_limit_s=search_s, workers=workers, seed=seed, enough_bytes=budget_bytes)
             fits = lowest.peak_bytes <= budget_bytes
-            report(f"warm start: the smallest peak found, {format_bytes(lowest.peak_bytes)} "
-                   f"({'fits' if fits else 'over budget'})")
+            report(
+                f"warm start: the smallest peak found, {format_bytes(lowest.peak_bytes)} "
+                f"({'fits' if fits else 'over budget'})"
+            )
             if fits:
                 hint = (lowest.plan, lowest.variants)
                 name, best = self._better(budget_bytes, "smallest peak", hint, name, best)
         return name, best, hint if hint is not None else (heuristic, frozenset())
 
-    def _better(self, budget_bytes: int, name: str, hint: Hint, best_name: str,
-                best: tuple[Plan, Variants, SimResult] | None) -> tuple[str, tuple[Plan, Variants, SimResult] | None]:
+    def _better(
+        self, budget_bytes: int, name: str, hint: Hint, best_name: str, best: tuple[Plan, Variants, SimResult] | None
+    ) -> tuple[str, tuple[Plan, Variants, SimResult] | None]:
         """``hint`` (as ``name``) when it fits and is faster than ``best``, else ``best``."""
         plan, variants = hint
         hinted = simulate(self.profile, plan, model=self.model, variants=variants)
@@ -178,7 +207,9 @@ class Planner:
         """Every row the lazy model could add (the whole linear model, for reference solves)."""
         return [row_at(self.linear, int(j)) for j in self.pool]
 
-    def _violated_rows(self, rows: list[MemoryRow], plan: Plan, variants: Variants, limit_bytes: int) -> list[MemoryRow]:
+    def _violated_rows(
+        self, rows: list[MemoryRow], plan: Plan, variants: Variants, limit_bytes: int
+    ) -> list[MemoryRow]:
         """Rows ``plan`` puts over ``limit_bytes``: missing rows of the linear model, most
         violated first, and cuts where the simulator counts more than the linear model (the
         missing bytes become the row's slack, for plans with the segments of ``plan`` that
@@ -198,13 +229,23 @@ class Planner:
             row_at(self.linear, int(j), int(exact[j] - predicted[j]), plan) for j in under
         ]
 
-    def _outcome(self, plan, result, status, method, objective, bound, start, rounds, variants=frozenset()) -> SolveOutcome:
+    def _outcome(
+        self, plan, result, status, method, objective, bound, start, rounds, variants=frozenset()
+    ) -> SolveOutcome:
         gap = None
         if objective is not None and bound is not None:
             gap = 0.0 if objective <= 0 else max(0.0, (objective - bound) / objective)
         return SolveOutcome(
-            plan=plan, variants=variants, result=result, status=status, method=method, objective_ms=objective, bound_ms=bound,
-            gap=gap, time_s=round(time.perf_counter() - start, 3), rounds=rounds,
+            plan=plan,
+            variants=variants,
+            result=result,
+            status=status,
+            method=method,
+            objective_ms=objective,
+            bound_ms=bound,
+            gap=gap,
+            time_s=round(time.perf_counter() - start, 3),
+            rounds=rounds,
         )
 
     def minimum_peak(self, *, time_limit_s: float, workers: int, seed: int, enough_bytes: int = 0) -> MinimumPeak:
@@ -227,7 +268,9 @@ class Planner:
             candidates.append((self._peak(cp_result.plan, cp_result.variants), cp_result.plan, cp_result.variants))
             # The model's own peak for this answer: the highest of the rows it had.
             predicted = self.linear.predict(cp_result.plan, cp_result.variants)
-            relaxed = max(int(predicted[row.point]) + (row.slack if row.holds_for(cp_result.plan) else 0) for row in rows)
+            relaxed = max(
+                int(predicted[row.point]) + (row.slack if row.holds_for(cp_result.plan) else 0) for row in rows
+            )
             added = self._violated_rows(rows, cp_result.plan, cp_result.variants, relaxed)
             if not added:
                 break

@@ -76,6 +76,7 @@ test: $(STAMP)
 
 lint: $(STAMP)
 	$(BIN)/python -m ruff check .
+	$(BIN)/python -m ruff format --check .
 
 clean:
 	rm -rf $(VENV) .pytest_cache

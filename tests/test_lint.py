@@ -1,4 +1,4 @@
-"""The code stays clean under the project's ruff rules (pyproject.toml), so CI catches drift."""
+"""The code stays clean under the project's ruff rules and formatter (pyproject.toml), so CI catches drift."""
 
 from __future__ import annotations
 
@@ -10,8 +10,25 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_ruff_check_is_clean():
-    result = subprocess.run([sys.executable, "-m", "ruff", "check", "--output-format", "concise", str(ROOT)],
-                            cwd=ROOT, capture_output=True, text=True, check=False)
+    result = subprocess.run(
+        [sys.executable, "-m", "ruff", "check", "--output-format", "concise", str(ROOT)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_ruff_format_leaves_the_code_as_it_is():
+    """ruff is pinned to one minor version (pyproject.toml): its formatter's style changes between them."""
+    result = subprocess.run(
+        [sys.executable, "-m", "ruff", "format", "--check", str(ROOT)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
 
 
@@ -34,7 +51,7 @@ def _imports(path: Path) -> set[str]:
 def test_no_import_runs_back_up_the_layers():
     wrong = []
     for rank, layer in enumerate(LAYERS):
-        allowed = {f"monet_cli.{name}" for name in LAYERS[:rank + 1]} | {"monet_cli.errors"}
+        allowed = {f"monet_cli.{name}" for name in LAYERS[: rank + 1]} | {"monet_cli.errors"}
         for path in sorted((ROOT / "monet_cli" / layer).rglob("*.py")):
             for module in _imports(path):
                 package = ".".join(module.split(".")[:2])

@@ -7,7 +7,6 @@ import torch
 from conftest import small_spec
 
 from monet_cli.core.plan import build_schedule
-from monet_cli.core.schedule import SolverInfo
 from monet_cli.core.segments import SegmentModel
 from monet_cli.core.simulate import simulate
 from monet_cli.core.solver.heuristics import level_plans
@@ -16,20 +15,9 @@ from monet_cli.errors import FingerprintError
 from monet_cli.profiler.run import profile_model
 from monet_cli.runtime.compare import run_apply
 from monet_cli.workload.resolve import Overrides, resolve_model_spec
+from tests.schedules_for_tests import INFO, roomy_schedule
 
 CPU = torch.device("cpu")
-INFO = SolverInfo(
-    method="test",
-    status="n/a",
-    objective=None,
-    bound=None,
-    gap=None,
-    time_s=0.0,
-    workers=1,
-    seed=0,
-    time_limit_s=0.0,
-    ortools="",
-)
 
 WORKLOADS = {
     "resnet18": lambda: small_spec("resnet18", shape=(3, 64, 64), batch_size=8),
@@ -79,16 +67,7 @@ def test_simulator_matches_measured_peak_and_grads(workload_profile):
     name, profile = workload_profile
     model = SegmentModel(profile)
     for label, (plan, variants) in _plans(profile).items():
-        schedule = build_schedule(
-            profile,
-            plan,
-            budget_bytes=profile.baseline.peak_bytes * 2,
-            budget_spec="2x",
-            solver=INFO,
-            profile_sha256="",
-            model=model,
-            variants=variants,
-        )
+        schedule = roomy_schedule(profile, plan, model=model, variants=variants)
         report = run_apply(schedule, CPU, steps=1, check=True)
         predicted = simulate(profile, plan, model=model, variants=variants).peak_bytes
         error = abs(predicted - report.measured_peak_bytes) / report.measured_peak_bytes
@@ -212,15 +191,7 @@ def test_nested_segments_match_the_measured_step_op_by_op(spec):
     plans = [{o: frozenset(), i: frozenset()} for o, i in pairs[:: max(1, len(pairs) // 4)]]
     plans.append(Planner(model).minimum_peak(time_limit_s=10, workers=1, seed=0).plan)
     for plan in plans:
-        schedule = build_schedule(
-            profile,
-            plan,
-            budget_bytes=profile.baseline.peak_bytes * 2,
-            budget_spec="2x",
-            solver=INFO,
-            profile_sha256="",
-            model=model,
-        )
+        schedule = roomy_schedule(profile, plan, model=model)
         report = run_apply(schedule, CPU, steps=1, check=True, timeline=True)
         names = sorted(model.segments[c].fqn for c in plan)
         assert report.timeline == live_series(model, plan), names

@@ -14,7 +14,7 @@ import monet_cli
 from monet_cli.cli.app import app
 from monet_cli.core.plan import build_schedule
 from monet_cli.core.profile import save_profile
-from monet_cli.core.schedule import SolverInfo, load_schedule, save_schedule
+from monet_cli.core.schedule import load_schedule, save_schedule
 from monet_cli.core.segments import CHAIN, SegmentModel
 from monet_cli.core.simulate import simulate
 from monet_cli.core.solver.linear import live_series
@@ -23,20 +23,9 @@ from monet_cli.errors import FingerprintError
 from monet_cli.profiler.run import profile_model
 from monet_cli.runtime.compare import run_apply
 from monet_cli.workload.step import build_workload
+from tests.schedules_for_tests import INFO, roomy_schedule
 
 CPU = torch.device("cpu")
-INFO = SolverInfo(
-    method="test",
-    status="n/a",
-    objective=None,
-    bound=None,
-    gap=None,
-    time_s=0.0,
-    workers=1,
-    seed=0,
-    time_limit_s=0.0,
-    ortools="",
-)
 
 
 def _chains(model: SegmentModel) -> dict[str, int]:
@@ -79,15 +68,7 @@ def test_a_chain_member_is_called_with_the_one_before_s_output_alone():
     assert not by_name["attn"].hand_off and not by_name["fc"].hand_off
     assert by_name["act"].hand_off and by_name["out"].hand_off
     plan = {chains["fc..out"]: frozenset()}
-    schedule = build_schedule(
-        profile,
-        plan,
-        budget_bytes=profile.baseline.peak_bytes * 2,
-        budget_spec="2x",
-        solver=INFO,
-        profile_sha256="",
-        model=model,
-    )
+    schedule = roomy_schedule(profile, plan, model=model)
     report = run_apply(schedule, CPU, steps=1, check=False, timeline=True)
     predicted = live_series(model, plan)
     assert len(report.timeline) == len(predicted) and all(m <= p for m, p in zip(report.timeline, predicted))
@@ -142,15 +123,7 @@ def _check(profile, plan):
     """One step op by op against the simulator; two steps against the unmodified model (the
     second starts from BatchNorm statistics the first updated)."""
     model = SegmentModel(profile)
-    schedule = build_schedule(
-        profile,
-        plan,
-        budget_bytes=profile.baseline.peak_bytes * 2,
-        budget_spec="2x",
-        solver=INFO,
-        profile_sha256="",
-        model=model,
-    )
+    schedule = roomy_schedule(profile, plan, model=model)
     report = run_apply(schedule, CPU, steps=1, check=False, timeline=True)
     assert report.timeline == live_series(model, plan)
     checked = run_apply(schedule, CPU, steps=2, check=True)

@@ -15,24 +15,13 @@ import torch
 from conftest import small_spec
 
 from monet_cli.core.plan import build_schedule
-from monet_cli.core.schedule import SolverInfo, save_schedule
+from monet_cli.core.schedule import save_schedule
 from monet_cli.core.segments import SegmentModel
 from monet_cli.core.solver.heuristics import level_plans
 from monet_cli.profiler.run import profile_model
+from tests.schedules_for_tests import INFO
 
 ROOT = Path(__file__).resolve().parent.parent
-INFO = SolverInfo(
-    method="test",
-    status="n/a",
-    objective=None,
-    bound=None,
-    gap=None,
-    time_s=0.0,
-    workers=1,
-    seed=0,
-    time_limit_s=0.0,
-    ortools="",
-)
 
 
 def _finest_schedule(spec, path: Path) -> None:

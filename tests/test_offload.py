@@ -21,7 +21,6 @@ from monet_cli.core.plan import build_schedule, variants_of
 from monet_cli.core.profile import Transfer, load_profile, save_profile
 from monet_cli.core.schedule import (
     SegmentDecision,
-    SolverInfo,
     load_schedule,
     save_schedule,
     schedule_from_data,
@@ -36,20 +35,9 @@ from monet_cli.runtime.compare import run_apply
 from monet_cli.runtime.executor import apply_schedule
 from monet_cli.runtime.meter import MachineryMarker
 from monet_cli.workload.step import build_workload
+from tests.schedules_for_tests import INFO
 
 CPU = torch.device("cpu")
-INFO = SolverInfo(
-    method="test",
-    status="n/a",
-    objective=None,
-    bound=None,
-    gap=None,
-    time_s=0.0,
-    workers=1,
-    seed=0,
-    time_limit_s=0.0,
-    ortools="",
-)
 # About PCIe 4 with pinned memory: 25 GB/s each way, 10 us per copy.
 TRANSFER = Transfer(fixed_ms=0.01, to_host_bytes_per_ms=25e6, to_device_bytes_per_ms=25e6)
 

@@ -15,7 +15,7 @@ import monet_cli
 from monet_cli.cli.app import app
 from monet_cli.core.plan import build_schedule
 from monet_cli.core.profile import save_profile
-from monet_cli.core.schedule import SolverInfo, load_schedule, save_schedule
+from monet_cli.core.schedule import load_schedule, save_schedule
 from monet_cli.core.segments import SegmentModel
 from monet_cli.core.simulate import simulate
 from monet_cli.core.solver.linear import live_series
@@ -24,20 +24,9 @@ from monet_cli.errors import FingerprintError
 from monet_cli.profiler.run import profile_model
 from monet_cli.runtime.compare import run_apply
 from monet_cli.workload.step import build_workload
+from tests.schedules_for_tests import INFO, roomy_schedule
 
 CPU = torch.device("cpu")
-INFO = SolverInfo(
-    method="test",
-    status="n/a",
-    objective=None,
-    bound=None,
-    gap=None,
-    time_s=0.0,
-    workers=1,
-    seed=0,
-    time_limit_s=0.0,
-    ortools="",
-)
 
 
 def _ranges(model: SegmentModel) -> dict[str, int]:
@@ -62,15 +51,7 @@ def _check(profile, plan, *, exact: bool = True, below: int = 4):
     unpack; the simulator holds it to the release the profile measured): below the
     prediction at those few points (at most ``below``), never above."""
     model = SegmentModel(profile)
-    schedule = build_schedule(
-        profile,
-        plan,
-        budget_bytes=profile.baseline.peak_bytes * 2,
-        budget_spec="2x",
-        solver=INFO,
-        profile_sha256="",
-        model=model,
-    )
+    schedule = roomy_schedule(profile, plan, model=model)
     report = run_apply(schedule, CPU, steps=1, check=False, timeline=True)
     predicted = live_series(model, plan)
     if exact:
@@ -302,15 +283,7 @@ def test_every_range_replays_under_autocast_within_its_prediction():
     ranges = _ranges(model)
     assert len(ranges) >= 10 and any(op.op == "aten._to_copy.default" for op in profile.ops)
     for name, call in sorted(ranges.items()):
-        schedule = build_schedule(
-            profile,
-            {call: frozenset()},
-            budget_bytes=profile.baseline.peak_bytes * 2,
-            budget_spec="2x",
-            solver=INFO,
-            profile_sha256="",
-            model=model,
-        )
+        schedule = roomy_schedule(profile, {call: frozenset()}, model=model)
         report = run_apply(schedule, CPU, steps=2, check=True, timeline=True)
         predicted = live_series(model, {call: frozenset()})
         assert len(report.timeline) == len(predicted), name
@@ -391,15 +364,7 @@ def test_a_mode_a_call_pushes_in_its_pre_hook_stays_on_top(range_net_profile):
 
     model = SegmentModel(range_net_profile)
     call = _ranges(model)["<model>[3:14]"]
-    schedule = build_schedule(
-        range_net_profile,
-        {call: frozenset()},
-        budget_bytes=range_net_profile.baseline.peak_bytes * 2,
-        budget_spec="2x",
-        solver=INFO,
-        profile_sha256="",
-        model=model,
-    )
+    schedule = roomy_schedule(range_net_profile, {call: frozenset()}, model=model)
     assert "bn" in schedule.segments[0].calls
     grads, seen = [], []
     modes: list[TorchDispatchMode] = []

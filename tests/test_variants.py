@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 from monet_cli.cli.app import app
 from monet_cli.core.plan import build_schedule, variants_of
 from monet_cli.core.profile import save_profile
-from monet_cli.core.schedule import SolverInfo, VariantDecision, consistency_problem, with_content_hash
+from monet_cli.core.schedule import VariantDecision, consistency_problem, with_content_hash
 from monet_cli.core.segments import SegmentModel
 from monet_cli.core.simulate import simulate
 from monet_cli.core.solver.linear import LinearMemory
@@ -24,20 +24,9 @@ from monet_cli.core.variants import find_sites, with_variants
 from monet_cli.profiler.run import profile_model
 from monet_cli.runtime.compare import run_apply
 from monet_cli.runtime.variants import install_on, variant_ready
+from tests.schedules_for_tests import INFO
 
 CPU = torch.device("cpu")
-INFO = SolverInfo(
-    method="test",
-    status="n/a",
-    objective=None,
-    bound=None,
-    gap=None,
-    time_s=0.0,
-    workers=1,
-    seed=0,
-    time_limit_s=0.0,
-    ortools="",
-)
 
 
 @pytest.fixture(scope="module")

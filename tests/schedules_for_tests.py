@@ -1,0 +1,40 @@
+"""Schedules built straight from a plan, as the solver would write them, for tests that run a
+chosen plan rather than a solved one."""
+
+from __future__ import annotations
+
+from monet_cli.core.plan import build_schedule
+from monet_cli.core.profile import Profile
+from monet_cli.core.schedule import Schedule, SolverInfo
+from monet_cli.core.segments import SegmentModel
+from monet_cli.core.simulate import Plan, Variants
+
+INFO = SolverInfo(
+    method="test",
+    status="n/a",
+    objective=None,
+    bound=None,
+    gap=None,
+    time_s=0.0,
+    workers=1,
+    seed=0,
+    time_limit_s=0.0,
+    ortools="",
+)
+"""What a schedule file records of a solve that did not happen."""
+
+
+def roomy_schedule(
+    profile: Profile, plan: Plan, *, model: SegmentModel | None = None, variants: Variants = frozenset()
+) -> Schedule:
+    """``plan`` as a schedule whose budget (twice the baseline peak) it holds whatever it is."""
+    return build_schedule(
+        profile,
+        plan,
+        budget_bytes=profile.baseline.peak_bytes * 2,
+        budget_spec="2x",
+        solver=INFO,
+        profile_sha256="",
+        model=model,
+        variants=variants,
+    )

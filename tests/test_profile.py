@@ -237,6 +237,7 @@ def test_a_profile_warns_when_the_machine_speed_changed_while_it_ran():
         warnings.simplefilter("error")
         warn_on_speed_change(Steps(50.0 * SPEED_CHANGE * 0.99), [50.0])
         warn_on_speed_change(Steps(50.0 / SPEED_CHANGE * 1.01), [50.0])
+        warn_on_speed_change(Steps(0.5 * SPEED_CHANGE * 1.5), [0.5])  # a sub-millisecond step's jitter
 
 
 def test_a_model_whose_module_calls_change_between_steps_is_refused():

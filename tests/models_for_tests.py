@@ -419,3 +419,43 @@ def attention_block_net(width: int = 16, num_classes: int = 5) -> nn.Module:
 class _MeanTokens(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x.mean(1)
+
+
+class _Rotate(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat((-x[..., 1::2], x[..., ::2]), dim=-1)
+
+
+_ROTATE = _Rotate()
+"""A module object no model registers, called from inside blocks' forwards: transformers'
+LLaMA calls its rotary embedding through one like it."""
+
+
+class _OutsideCallBlock(nn.Module):
+    """Own ops around two Linears; ``outside=True`` calls ``_ROTATE`` twice among them (so
+    the module outside the tree is called several times, as LLaMA's is once per layer) and
+    runs one own op more."""
+
+    def __init__(self, width: int, outside: bool) -> None:
+        super().__init__()
+        self.a = nn.Linear(width, width)
+        self.b = nn.Linear(width, width)
+        self.outside = outside
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.a(x)) * 2.0 + 1.0
+        h = _ROTATE(h) if self.outside else h * 0.5
+        h = torch.sigmoid(h) * h - 0.5
+        if self.outside:
+            h = _ROTATE(h)
+        h = torch.tanh(h) * 3.0 + 0.25
+        if self.outside:
+            h = h * 1.5 + 0.5
+        return x + self.b(h)
+
+
+def outside_call_net(width: int = 16, num_classes: int = 5) -> nn.Module:
+    """A block calling a module outside the model's tree, then one that does not."""
+    return nn.Sequential(
+        _OutsideCallBlock(width, outside=True), _OutsideCallBlock(width, outside=False), nn.Linear(width, num_classes)
+    )

@@ -442,3 +442,28 @@ def test_solve_counts_ranges_and_inspect_and_validate_show_them(range_net_profil
     assert json.loads(result.stdout)["ranges"] == len(SegmentModel(range_net_profile).ranges)
     result = runner.invoke(app, ["validate", str(tmp_path / "s.yaml")])
     assert result.exit_code == 0, result.output
+
+
+def test_a_module_called_from_outside_the_model_s_tree_is_in_no_range():
+    """transformers' LLaMA calls its rotary embedding through one module object that no model
+    registers: a schedule cannot name it by path, so no range holds it (``monet apply`` refused
+    such ranges as "not a module of this model"), and the range price is timed on a block
+    without one (timing that block alone failed, and left the generic price)."""
+    import warnings
+
+    from monet_cli.profiler.probe import _probe
+
+    spec = small_spec("tests.models_for_tests:outside_call_net", shape=(16,), batch_size=8)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        profile = profile_model(spec, CPU, steps=1)
+    assert not [w for w in caught if "op ranges keep their generic price" in str(w.message)]
+    model = SegmentModel(profile)
+    outside = [c.index for c in profile.calls if not c.registered]
+    assert len(outside) == 2 and all(profile.calls[c].parent == 1 for c in outside)
+    assert not [r for r in model.ranges.values() if set(r.calls) & set(outside)]
+    assert [r for r in model.ranges.values() if r.parent == 1]  # the block keeps its other ranges
+    assert profile.calls[_probe(model).call].fqn == "1"
+    plan = {c: frozenset() for c, r in model.ranges.items() if r.parent == 1}
+    checked = run_apply(roomy_schedule(profile, plan, model=model), CPU, steps=2, check=True).check
+    assert checked.grads_match and checked.params_match and checked.buffers_match

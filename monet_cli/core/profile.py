@@ -234,6 +234,13 @@ class ModuleCall:
     call costs, where its ops' timed sum is what their kernels cost. None in profiles made
     before it was measured."""
 
+    @property
+    def registered(self) -> bool:
+        """Whether the module is one of the model's own submodules, which a schedule names by
+        path. A module object called from outside the tree (transformers' LLaMA calls its
+        rotary embedding through one shared ``Func`` module) is recorded as ``<Type>``."""
+        return not self.fqn.startswith("<")
+
 
 @flow_row
 @dataclass(frozen=True, kw_only=True, slots=True)

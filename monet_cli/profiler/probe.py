@@ -102,7 +102,8 @@ def probe_overheads(workload: Workload, profile: Profile) -> Overheads:
 
 def _probe(model: SegmentModel) -> _Probe | None:
     """Among the segment candidates holding offered ranges (not the model itself: it cannot
-    run alone), the one with the most own ops, if it has at least ``MIN_OWN_OPS``."""
+    run alone) whose calls are all registered, the one with the most own ops, if it has at least
+    ``MIN_OWN_OPS``."""
     profile = model.profile
     children = calls_made(profile)
     best: tuple[int, _Probe] | None = None
@@ -112,7 +113,8 @@ def _probe(model: SegmentModel) -> _Probe | None:
             continue
         calls = children[parent]
         own = own_op_count(module, calls)
-        if own >= MIN_OWN_OPS and (best is None or own > best[0]):
+        registered = all(c.registered for c in calls)  # the range over it names its calls by path
+        if registered and own >= MIN_OWN_OPS and (best is None or own > best[0]):
             whole = SegmentDecision(
                 module=module.fqn,
                 call=parent,

@@ -14,6 +14,7 @@ from conftest import small_spec
 
 from monet_cli.core.allocator import cuda_block_bytes
 from monet_cli.errors import EXIT_DEVICE
+from tests.schedules_for_tests import INFO
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -114,7 +115,6 @@ def test_an_offload_holds_its_budget_and_gradients_on_cuda():
     """The largest offload resnet18 offers, alone: pinned copies on a side stream, the peak the
     simulator predicts, the unmodified model's gradients."""
     from monet_cli.core.plan import build_schedule
-    from monet_cli.core.schedule import SolverInfo
     from monet_cli.core.segments import SegmentModel
     from monet_cli.profiler.run import profile_model
     from monet_cli.runtime.compare import run_apply
@@ -126,24 +126,12 @@ def test_an_offload_holds_its_budget_and_gradients_on_cuda():
     sites = [(v.native_saved_bytes, i) for i, v in enumerate(model.profile.variants) if v.impl == "offload"]
     assert sites, "no call to offload"
     chosen = frozenset({max(sites)[1]})
-    info = SolverInfo(
-        method="test",
-        status="n/a",
-        objective=None,
-        bound=None,
-        gap=None,
-        time_s=0.0,
-        workers=1,
-        seed=0,
-        time_limit_s=0.0,
-        ortools="",
-    )
     schedule = build_schedule(
         profile,
         {},
         budget_bytes=profile.baseline.peak_bytes,
         budget_spec="100%",
-        solver=info,
+        solver=INFO,
         profile_sha256="",
         model=model,
         variants=chosen,

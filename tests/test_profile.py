@@ -14,6 +14,7 @@ from monet_cli.profiler.capture import StepRecorder
 from monet_cli.profiler.run import profile_model
 from monet_cli.runtime.meter import LiveStorageMeter, measure_step
 from monet_cli.workload.step import build_workload
+from tests.schedules_for_tests import INFO
 
 CPU = torch.device("cpu")
 
@@ -437,7 +438,7 @@ def test_a_schedule_s_overhead_is_taken_against_the_model_as_written(resnet18_pr
     from dataclasses import replace
 
     from monet_cli.core.plan import build_schedule
-    from monet_cli.core.schedule import SolverInfo, consistency_problem, load_schedule, save_schedule
+    from monet_cli.core.schedule import consistency_problem, load_schedule, save_schedule
     from monet_cli.core.segments import SegmentModel
     from monet_cli.profiler.in_step import as_written_step_ms
 
@@ -460,24 +461,12 @@ def test_a_schedule_s_overhead_is_taken_against_the_model_as_written(resnet18_pr
     profile = replace(resnet18_profile, baseline=baseline)
     model = SegmentModel(profile)
     call = next(c for c, seg in model.segments.items() if seg.burst_pos is not None)
-    info = SolverInfo(
-        method="hand",
-        status="n/a",
-        objective=None,
-        bound=None,
-        gap=None,
-        time_s=0.0,
-        workers=1,
-        seed=0,
-        time_limit_s=0.0,
-        ortools="",
-    )
     schedule = build_schedule(
         profile,
         {call: frozenset()},
         budget_bytes=baseline.peak_bytes,
         budget_spec="100%",
-        solver=info,
+        solver=INFO,
         profile_sha256="",
         model=model,
     )

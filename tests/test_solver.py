@@ -13,6 +13,7 @@ from monet_cli.core.solver.enumerate import all_plans
 from monet_cli.core.solver.heuristics import level_plans
 from monet_cli.core.solver.search import Planner
 from monet_cli.profiler.run import profile_model
+from tests.schedules_for_tests import INFO
 
 CPU = torch.device("cpu")
 
@@ -218,7 +219,6 @@ def test_schedule_files_hold_nested_pairs_and_refuse_other_overlaps(two_branch, 
     from monet_cli.core.plan import build_schedule, plan_of
     from monet_cli.core.schedule import (
         KeepDecision,
-        SolverInfo,
         consistency_problem,
         load_schedule,
         save_schedule,
@@ -228,24 +228,12 @@ def test_schedule_files_hold_nested_pairs_and_refuse_other_overlaps(two_branch, 
     profile, model, _ = two_branch
     by_name = {seg.fqn: c for c, seg in model.segments.items()}
     plan = {by_name["0"]: frozenset(), by_name["0.first"]: frozenset()}
-    info = SolverInfo(
-        method="test",
-        status="n/a",
-        objective=None,
-        bound=None,
-        gap=None,
-        time_s=0.0,
-        workers=1,
-        seed=0,
-        time_limit_s=0.0,
-        ortools="",
-    )
     schedule = build_schedule(
         profile,
         plan,
         budget_bytes=profile.baseline.peak_bytes,
         budget_spec="100%",
-        solver=info,
+        solver=INFO,
         profile_sha256="",
         model=model,
     )
@@ -432,7 +420,7 @@ def test_what_the_step_pays_once_for_checkpointing_is_priced_once(enumerable):
     from dataclasses import replace
 
     from monet_cli.core.plan import build_schedule
-    from monet_cli.core.schedule import SolverInfo, consistency_problem
+    from monet_cli.core.schedule import consistency_problem
 
     profile, model, scored = enumerable
     once = 5.0
@@ -452,24 +440,12 @@ def test_what_the_step_pays_once_for_checkpointing_is_priced_once(enumerable):
     assert outcome.result.added_ms == pytest.approx(best + once, abs=0.01)
     assert outcome.objective_ms == pytest.approx(outcome.result.added_ms, abs=0.01 * (1 + len(outcome.plan)))
 
-    info = SolverInfo(
-        method="test",
-        status="n/a",
-        objective=None,
-        bound=None,
-        gap=None,
-        time_s=0.0,
-        workers=1,
-        seed=0,
-        time_limit_s=0.0,
-        ortools="",
-    )
     schedule = build_schedule(
         costly,
         plan,
         budget_bytes=costly.baseline.peak_bytes,
         budget_spec="100%",
-        solver=info,
+        solver=INFO,
         profile_sha256="",
         model=costly_model,
     )
@@ -478,7 +454,7 @@ def test_what_the_step_pays_once_for_checkpointing_is_priced_once(enumerable):
         plan,
         budget_bytes=profile.baseline.peak_bytes,
         budget_spec="100%",
-        solver=info,
+        solver=INFO,
         profile_sha256="",
         model=model,
     )

@@ -24,15 +24,21 @@ INFO = SolverInfo(
 """What a schedule file records of a solve that did not happen."""
 
 
-def roomy_schedule(
-    profile: Profile, plan: Plan, *, model: SegmentModel | None = None, variants: Variants = frozenset()
+def plan_schedule(
+    profile: Profile,
+    plan: Plan,
+    *,
+    peaks: int = 2,
+    model: SegmentModel | None = None,
+    variants: Variants = frozenset(),
 ) -> Schedule:
-    """``plan`` as a schedule whose budget (twice the baseline peak) it holds whatever it is."""
+    """``plan`` as a schedule whose budget is ``peaks`` times the baseline peak: at 2 the plan
+    holds it whatever it is, at 1 it must not raise the peak."""
     return build_schedule(
         profile,
         plan,
-        budget_bytes=profile.baseline.peak_bytes * 2,
-        budget_spec="2x",
+        budget_bytes=profile.baseline.peak_bytes * peaks,
+        budget_spec=f"{peaks}x",
         solver=INFO,
         profile_sha256="",
         model=model,

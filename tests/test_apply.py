@@ -15,7 +15,7 @@ from monet_cli.errors import FingerprintError
 from monet_cli.profiler.run import profile_model
 from monet_cli.runtime.compare import run_apply
 from monet_cli.workload.resolve import Overrides, resolve_model_spec
-from tests.schedules_for_tests import INFO, roomy_schedule
+from tests.schedules_for_tests import INFO, plan_schedule
 
 CPU = torch.device("cpu")
 
@@ -67,7 +67,7 @@ def test_simulator_matches_measured_peak_and_grads(workload_profile):
     name, profile = workload_profile
     model = SegmentModel(profile)
     for label, (plan, variants) in _plans(profile).items():
-        schedule = roomy_schedule(profile, plan, model=model, variants=variants)
+        schedule = plan_schedule(profile, plan, model=model, variants=variants)
         report = run_apply(schedule, CPU, steps=1, check=True)
         predicted = simulate(profile, plan, model=model, variants=variants).peak_bytes
         error = abs(predicted - report.measured_peak_bytes) / report.measured_peak_bytes
@@ -191,7 +191,7 @@ def test_nested_segments_match_the_measured_step_op_by_op(spec):
     plans = [{o: frozenset(), i: frozenset()} for o, i in pairs[:: max(1, len(pairs) // 4)]]
     plans.append(Planner(model).minimum_peak(time_limit_s=10, workers=1, seed=0).plan)
     for plan in plans:
-        schedule = roomy_schedule(profile, plan, model=model)
+        schedule = plan_schedule(profile, plan, model=model)
         report = run_apply(schedule, CPU, steps=1, check=True, timeline=True)
         names = sorted(model.segments[c].fqn for c in plan)
         assert report.timeline == live_series(model, plan), names
@@ -206,15 +206,7 @@ def test_an_op_without_a_deterministic_kernel_is_checked_within_the_stated_toler
     profile = profile_model(spec, CPU, steps=1)
     model = SegmentModel(profile)
     plan = max(level_plans(model).values(), key=len)
-    schedule = build_schedule(
-        profile,
-        plan,
-        budget_bytes=profile.baseline.peak_bytes,
-        budget_spec="100%",
-        solver=INFO,
-        profile_sha256="",
-        model=model,
-    )
+    schedule = plan_schedule(profile, plan, peaks=1, model=model)
     report = run_apply(schedule, CPU, steps=1, check=True)
     check = report.check
     assert check.mode == "tolerance" and "put_" in check.nondeterministic, check
@@ -228,15 +220,7 @@ def test_a_model_with_deterministic_kernels_is_checked_bit_for_bit(workload_prof
     _, profile = workload_profile
     model = SegmentModel(profile)
     plan = next(iter(level_plans(model).values()))
-    schedule = build_schedule(
-        profile,
-        plan,
-        budget_bytes=profile.baseline.peak_bytes,
-        budget_spec="100%",
-        solver=INFO,
-        profile_sha256="",
-        model=model,
-    )
+    schedule = plan_schedule(profile, plan, peaks=1, model=model)
     check = run_apply(schedule, CPU, steps=1, check=True).check
     assert check.mode == "exact" and check.ok and check.max_grad_diff == 0.0
     assert check.describe() == "bit-exact (deterministic algorithms)"

@@ -12,7 +12,6 @@ from typer.testing import CliRunner
 
 import monet_cli
 from monet_cli.cli.app import app
-from monet_cli.core.plan import build_schedule
 from monet_cli.core.profile import save_profile
 from monet_cli.core.schedule import load_schedule, save_schedule
 from monet_cli.core.segments import CHAIN, SegmentModel
@@ -23,7 +22,7 @@ from monet_cli.errors import FingerprintError
 from monet_cli.profiler.run import profile_model
 from monet_cli.runtime.compare import run_apply
 from monet_cli.workload.step import build_workload
-from tests.schedules_for_tests import INFO, roomy_schedule
+from tests.schedules_for_tests import plan_schedule
 
 CPU = torch.device("cpu")
 
@@ -68,7 +67,7 @@ def test_a_chain_member_is_called_with_the_one_before_s_output_alone():
     assert not by_name["attn"].hand_off and not by_name["fc"].hand_off
     assert by_name["act"].hand_off and by_name["out"].hand_off
     plan = {chains["fc..out"]: frozenset()}
-    schedule = roomy_schedule(profile, plan, model=model)
+    schedule = plan_schedule(profile, plan, model=model)
     report = run_apply(schedule, CPU, steps=1, check=False, timeline=True)
     predicted = live_series(model, plan)
     assert len(report.timeline) == len(predicted) and all(m <= p for m, p in zip(report.timeline, predicted))
@@ -88,15 +87,7 @@ def test_a_schedule_is_refused_against_a_profile_that_offers_other_segments(hand
 
     model = SegmentModel(handoff_profile)
     chain = _chains(model)["act..drop"]
-    schedule = build_schedule(
-        handoff_profile,
-        {chain: frozenset()},
-        budget_bytes=handoff_profile.baseline.peak_bytes,
-        budget_spec="100%",
-        solver=INFO,
-        profile_sha256="",
-        model=model,
-    )
+    schedule = plan_schedule(handoff_profile, {chain: frozenset()}, peaks=1, model=model)
     assert plan_of(schedule, model) == {chain: frozenset()}
     older = replace(handoff_profile, calls=tuple(replace(c, hand_off=False) for c in handoff_profile.calls))
     with pytest.raises(UsageError, match="the profile offers no segment 'act..drop'"):
@@ -123,7 +114,7 @@ def _check(profile, plan):
     """One step op by op against the simulator; two steps against the unmodified model (the
     second starts from BatchNorm statistics the first updated)."""
     model = SegmentModel(profile)
-    schedule = roomy_schedule(profile, plan, model=model)
+    schedule = plan_schedule(profile, plan, model=model)
     report = run_apply(schedule, CPU, steps=1, check=False, timeline=True)
     assert report.timeline == live_series(model, plan)
     checked = run_apply(schedule, CPU, steps=2, check=True)
@@ -167,14 +158,7 @@ def test_the_solver_uses_the_stem_chain_to_reach_lower(stem_profile):
 
 def test_a_chain_schedule_round_trips_and_refuses_another_handoff(handoff_profile, tmp_path):
     chain = _chains(SegmentModel(handoff_profile))["act..drop"]
-    schedule = build_schedule(
-        handoff_profile,
-        {chain: frozenset()},
-        budget_bytes=2 * handoff_profile.baseline.peak_bytes,
-        budget_spec="2x",
-        solver=INFO,
-        profile_sha256="",
-    )
+    schedule = plan_schedule(handoff_profile, {chain: frozenset()})
     save_schedule(schedule, tmp_path / "s.yaml")
     loaded = load_schedule(tmp_path / "s.yaml")
     assert loaded == schedule and loaded.segments[0].members == ("act", "down", "drop")
@@ -193,14 +177,7 @@ def test_a_chain_schedule_round_trips_and_refuses_another_handoff(handoff_profil
 
 def test_a_forward_that_raised_inside_a_chain_does_not_leave_its_frame_behind(handoff_profile):
     chain = _chains(SegmentModel(handoff_profile))["act..drop"]
-    schedule = build_schedule(
-        handoff_profile,
-        {chain: frozenset()},
-        budget_bytes=2 * handoff_profile.baseline.peak_bytes,
-        budget_spec="2x",
-        solver=INFO,
-        profile_sha256="",
-    )
+    schedule = plan_schedule(handoff_profile, {chain: frozenset()})
     workload = build_workload(handoff_profile.model, CPU)
     monet_cli.apply(workload.model, schedule, check_fingerprint=False)
     raised = []

@@ -14,12 +14,11 @@ import pytest
 import torch
 from conftest import small_spec
 
-from monet_cli.core.plan import build_schedule
 from monet_cli.core.schedule import save_schedule
 from monet_cli.core.segments import SegmentModel
 from monet_cli.core.solver.heuristics import level_plans
 from monet_cli.profiler.run import profile_model
-from tests.schedules_for_tests import INFO
+from tests.schedules_for_tests import plan_schedule
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -33,15 +32,7 @@ def _finest_schedule(spec, path: Path) -> None:
     plan = next(p for p in levels if any(model.segments[c].candidates for c in p))
     plan = {c: frozenset(model.segments[c].candidates[:1]) for c in plan}
     save_schedule(
-        build_schedule(
-            profile,
-            plan,
-            budget_bytes=2 * profile.baseline.peak_bytes,
-            budget_spec="200%",
-            solver=INFO,
-            profile_sha256="",
-            model=model,
-        ),
+        plan_schedule(profile, plan, model=model),
         path,
     )
 
@@ -85,15 +76,7 @@ def test_ddp_runs_a_chain_segment(tmp_path: Path):
     by_name = {seg.fqn: c for c, seg in model.segments.items()}
     plan = {by_name["conv1..maxpool"]: frozenset(), by_name["layer1"]: frozenset()}
     save_schedule(
-        build_schedule(
-            profile,
-            plan,
-            budget_bytes=2 * profile.baseline.peak_bytes,
-            budget_spec="200%",
-            solver=INFO,
-            profile_sha256="",
-            model=model,
-        ),
+        plan_schedule(profile, plan, model=model),
         tmp_path / "chain.yaml",
     )
     reports = _torchrun("ddp_worker.py", tmp_path / "chain.yaml", tmp_path)
@@ -112,15 +95,7 @@ def test_ddp_runs_op_ranges(tmp_path: Path):
         by_name[f"layer2.0[{calls['layer2.0.bn2'].first_op}:{calls['layer2.0'].end_op}]"]: frozenset(),
     }
     save_schedule(
-        build_schedule(
-            profile,
-            plan,
-            budget_bytes=2 * profile.baseline.peak_bytes,
-            budget_spec="200%",
-            solver=INFO,
-            profile_sha256="",
-            model=model,
-        ),
+        plan_schedule(profile, plan, model=model),
         tmp_path / "ranges.yaml",
     )
     reports = _torchrun("ddp_worker.py", tmp_path / "ranges.yaml", tmp_path)
@@ -142,15 +117,7 @@ def test_fsdp2_runs_op_ranges_in_sharded_layers(tmp_path: Path):
                 best[r.parent] = c
     assert len(best) >= 2
     save_schedule(
-        build_schedule(
-            profile,
-            dict.fromkeys(best.values(), frozenset()),
-            budget_spec="200%",
-            budget_bytes=2 * profile.baseline.peak_bytes,
-            solver=INFO,
-            profile_sha256="",
-            model=model,
-        ),
+        plan_schedule(profile, dict.fromkeys(best.values(), frozenset()), model=model),
         tmp_path / "fsdp.yaml",
     )
     reports = _torchrun("fsdp_worker.py", tmp_path / "fsdp.yaml", tmp_path)
@@ -170,16 +137,7 @@ def test_ddp_runs_an_offload_beside_a_segment(tmp_path: Path, monkeypatch):
     model = SegmentModel(profile)
     layer3 = next(c for c, seg in model.segments.items() if seg.fqn == "layer3")
     layer1 = next(i for i, v in enumerate(model.profile.variants) if v.impl == "offload" and v.module == "layer1")
-    schedule = build_schedule(
-        profile,
-        {layer3: frozenset()},
-        budget_bytes=2 * profile.baseline.peak_bytes,
-        budget_spec="200%",
-        solver=INFO,
-        profile_sha256="",
-        model=model,
-        variants=frozenset({layer1}),
-    )
+    schedule = plan_schedule(profile, {layer3: frozenset()}, model=model, variants=frozenset({layer1}))
     assert [o.module for o in schedule.offloads] == ["layer1"]
     save_schedule(schedule, tmp_path / "offload.yaml")
     reports = _torchrun("ddp_worker.py", tmp_path / "offload.yaml", tmp_path, MONET_TEST_HOST_ARRAYS="1")

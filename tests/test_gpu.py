@@ -14,7 +14,7 @@ from conftest import small_spec
 
 from monet_cli.core.allocator import cuda_block_bytes
 from monet_cli.errors import EXIT_DEVICE
-from tests.schedules_for_tests import INFO
+from tests.schedules_for_tests import plan_schedule
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -114,7 +114,6 @@ def test_a_cuda_schedule_holds_its_budget_and_gradients():
 def test_an_offload_holds_its_budget_and_gradients_on_cuda():
     """The largest offload resnet18 offers, alone: pinned copies on a side stream, the peak the
     simulator predicts, the unmodified model's gradients."""
-    from monet_cli.core.plan import build_schedule
     from monet_cli.core.segments import SegmentModel
     from monet_cli.profiler.run import profile_model
     from monet_cli.runtime.compare import run_apply
@@ -126,16 +125,7 @@ def test_an_offload_holds_its_budget_and_gradients_on_cuda():
     sites = [(v.native_saved_bytes, i) for i, v in enumerate(model.profile.variants) if v.impl == "offload"]
     assert sites, "no call to offload"
     chosen = frozenset({max(sites)[1]})
-    schedule = build_schedule(
-        profile,
-        {},
-        budget_bytes=profile.baseline.peak_bytes,
-        budget_spec="100%",
-        solver=INFO,
-        profile_sha256="",
-        model=model,
-        variants=chosen,
-    )
+    schedule = plan_schedule(profile, {}, peaks=1, model=model, variants=chosen)
     assert schedule.offloads
     report = run_apply(schedule, device, steps=2, check=True)
     assert report.within_budget, report

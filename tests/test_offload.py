@@ -17,7 +17,7 @@ import monet_cli.core.offload as core_offload
 import monet_cli.runtime.offload as runtime_offload
 from monet_cli.cli.app import app
 from monet_cli.core.codec import to_data
-from monet_cli.core.plan import build_schedule, variants_of
+from monet_cli.core.plan import variants_of
 from monet_cli.core.profile import Transfer, load_profile, save_profile
 from monet_cli.core.schedule import (
     SegmentDecision,
@@ -35,7 +35,7 @@ from monet_cli.runtime.compare import run_apply
 from monet_cli.runtime.executor import apply_schedule
 from monet_cli.runtime.meter import MachineryMarker
 from monet_cli.workload.step import build_workload
-from tests.schedules_for_tests import INFO
+from tests.schedules_for_tests import plan_schedule
 
 CPU = torch.device("cpu")
 # About PCIe 4 with pinned memory: 25 GB/s each way, 10 us per copy.
@@ -109,16 +109,7 @@ def test_the_solver_offloads_when_copies_are_cheaper_than_recompute(skip_cnn_pro
 
 def _schedule(profile, model: SegmentModel, names: list[str], tmp_path):
     offloads = _offloads(model)
-    schedule = build_schedule(
-        profile,
-        {},
-        budget_bytes=profile.baseline.peak_bytes,
-        budget_spec="100%",
-        solver=INFO,
-        profile_sha256="",
-        model=model,
-        variants=frozenset(offloads[name] for name in names),
-    )
+    schedule = plan_schedule(profile, {}, peaks=1, model=model, variants=frozenset(offloads[name] for name in names))
     save_schedule(schedule, tmp_path / "offload.yaml")
     loaded = load_schedule(tmp_path / "offload.yaml")  # the decision survives the file
     assert loaded == schedule and [o.module for o in loaded.offloads] == names

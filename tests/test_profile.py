@@ -14,7 +14,7 @@ from monet_cli.profiler.capture import StepRecorder
 from monet_cli.profiler.run import profile_model
 from monet_cli.runtime.meter import LiveStorageMeter, measure_step
 from monet_cli.workload.step import build_workload
-from tests.schedules_for_tests import INFO
+from tests.schedules_for_tests import plan_schedule
 
 CPU = torch.device("cpu")
 
@@ -437,7 +437,6 @@ def test_a_schedule_s_overhead_is_taken_against_the_model_as_written(resnet18_pr
     benchmarks' business.)"""
     from dataclasses import replace
 
-    from monet_cli.core.plan import build_schedule
     from monet_cli.core.schedule import consistency_problem, load_schedule, save_schedule
     from monet_cli.core.segments import SegmentModel
     from monet_cli.profiler.in_step import as_written_step_ms
@@ -461,15 +460,7 @@ def test_a_schedule_s_overhead_is_taken_against_the_model_as_written(resnet18_pr
     profile = replace(resnet18_profile, baseline=baseline)
     model = SegmentModel(profile)
     call = next(c for c, seg in model.segments.items() if seg.burst_pos is not None)
-    schedule = build_schedule(
-        profile,
-        {call: frozenset()},
-        budget_bytes=baseline.peak_bytes,
-        budget_spec="100%",
-        solver=INFO,
-        profile_sha256="",
-        model=model,
-    )
+    schedule = plan_schedule(profile, {call: frozenset()}, peaks=1, model=model)
     pred = schedule.predicted
     assert pred.baseline_step_ms == 20.0 and pred.preparation_ms == pytest.approx(2.0)
     added_ms = model.added_ms(call) + profile.overheads.first_frame_ms

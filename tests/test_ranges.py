@@ -13,7 +13,6 @@ from typer.testing import CliRunner
 
 import monet_cli
 from monet_cli.cli.app import app
-from monet_cli.core.plan import build_schedule
 from monet_cli.core.profile import save_profile
 from monet_cli.core.schedule import load_schedule, save_schedule
 from monet_cli.core.segments import SegmentModel
@@ -24,7 +23,7 @@ from monet_cli.errors import FingerprintError
 from monet_cli.profiler.run import profile_model
 from monet_cli.runtime.compare import run_apply
 from monet_cli.workload.step import build_workload
-from tests.schedules_for_tests import INFO, roomy_schedule
+from tests.schedules_for_tests import plan_schedule
 
 CPU = torch.device("cpu")
 
@@ -51,7 +50,7 @@ def _check(profile, plan, *, exact: bool = True, below: int = 4):
     unpack; the simulator holds it to the release the profile measured): below the
     prediction at those few points (at most ``below``), never above."""
     model = SegmentModel(profile)
-    schedule = roomy_schedule(profile, plan, model=model)
+    schedule = plan_schedule(profile, plan, model=model)
     report = run_apply(schedule, CPU, steps=1, check=False, timeline=True)
     predicted = live_series(model, plan)
     if exact:
@@ -283,7 +282,7 @@ def test_every_range_replays_under_autocast_within_its_prediction():
     ranges = _ranges(model)
     assert len(ranges) >= 10 and any(op.op == "aten._to_copy.default" for op in profile.ops)
     for name, call in sorted(ranges.items()):
-        schedule = roomy_schedule(profile, {call: frozenset()}, model=model)
+        schedule = plan_schedule(profile, {call: frozenset()}, model=model)
         report = run_apply(schedule, CPU, steps=2, check=True, timeline=True)
         predicted = live_series(model, {call: frozenset()})
         assert len(report.timeline) == len(predicted), name
@@ -364,7 +363,7 @@ def test_a_mode_a_call_pushes_in_its_pre_hook_stays_on_top(range_net_profile):
 
     model = SegmentModel(range_net_profile)
     call = _ranges(model)["<model>[3:14]"]
-    schedule = roomy_schedule(range_net_profile, {call: frozenset()}, model=model)
+    schedule = plan_schedule(range_net_profile, {call: frozenset()}, model=model)
     assert "bn" in schedule.segments[0].calls
     grads, seen = [], []
     modes: list[TorchDispatchMode] = []
@@ -385,14 +384,7 @@ def test_a_mode_a_call_pushes_in_its_pre_hook_stays_on_top(range_net_profile):
 
 def test_a_range_refuses_another_op_sequence_and_leaves_nothing_behind(range_net_profile, tmp_path):
     model = SegmentModel(range_net_profile)
-    schedule = build_schedule(
-        range_net_profile,
-        {_ranges(model)["<model>[13:21]"]: frozenset()},
-        budget_bytes=2 * range_net_profile.baseline.peak_bytes,
-        budget_spec="2x",
-        solver=INFO,
-        profile_sha256="",
-    )
+    schedule = plan_schedule(range_net_profile, {_ranges(model)["<model>[13:21]"]: frozenset()})
     save_schedule(schedule, tmp_path / "s.yaml")
     loaded = load_schedule(tmp_path / "s.yaml")
     assert loaded == schedule and loaded.ranges == loaded.segments
@@ -465,5 +457,5 @@ def test_a_module_called_from_outside_the_model_s_tree_is_in_no_range():
     assert [r for r in model.ranges.values() if r.parent == 1]  # the block keeps its other ranges
     assert profile.calls[_probe(model).call].fqn == "1"
     plan = {c: frozenset() for c, r in model.ranges.items() if r.parent == 1}
-    checked = run_apply(roomy_schedule(profile, plan, model=model), CPU, steps=2, check=True).check
+    checked = run_apply(plan_schedule(profile, plan, model=model), CPU, steps=2, check=True).check
     assert checked.grads_match and checked.params_match and checked.buffers_match

@@ -13,7 +13,7 @@ from monet_cli.core.solver.enumerate import all_plans
 from monet_cli.core.solver.heuristics import level_plans
 from monet_cli.core.solver.search import Planner
 from monet_cli.profiler.run import profile_model
-from tests.schedules_for_tests import INFO
+from tests.schedules_for_tests import plan_schedule
 
 CPU = torch.device("cpu")
 
@@ -216,7 +216,7 @@ def test_segments_nest_as_pairs_and_an_outer_may_hold_several(two_branch):
 def test_schedule_files_hold_nested_pairs_and_refuse_other_overlaps(two_branch, tmp_path):
     from dataclasses import replace
 
-    from monet_cli.core.plan import build_schedule, plan_of
+    from monet_cli.core.plan import plan_of
     from monet_cli.core.schedule import (
         KeepDecision,
         consistency_problem,
@@ -228,15 +228,7 @@ def test_schedule_files_hold_nested_pairs_and_refuse_other_overlaps(two_branch, 
     profile, model, _ = two_branch
     by_name = {seg.fqn: c for c, seg in model.segments.items()}
     plan = {by_name["0"]: frozenset(), by_name["0.first"]: frozenset()}
-    schedule = build_schedule(
-        profile,
-        plan,
-        budget_bytes=profile.baseline.peak_bytes,
-        budget_spec="100%",
-        solver=INFO,
-        profile_sha256="",
-        model=model,
-    )
+    schedule = plan_schedule(profile, plan, peaks=1, model=model)
     save_schedule(schedule, tmp_path / "nested.yaml")
     assert plan_of(load_schedule(tmp_path / "nested.yaml"), model) == plan
 
@@ -419,7 +411,6 @@ def test_what_the_step_pays_once_for_checkpointing_is_priced_once(enumerable):
     and in the schedule, whose first segment carries it so its parts add up."""
     from dataclasses import replace
 
-    from monet_cli.core.plan import build_schedule
     from monet_cli.core.schedule import consistency_problem
 
     profile, model, scored = enumerable
@@ -440,24 +431,8 @@ def test_what_the_step_pays_once_for_checkpointing_is_priced_once(enumerable):
     assert outcome.result.added_ms == pytest.approx(best + once, abs=0.01)
     assert outcome.objective_ms == pytest.approx(outcome.result.added_ms, abs=0.01 * (1 + len(outcome.plan)))
 
-    schedule = build_schedule(
-        costly,
-        plan,
-        budget_bytes=costly.baseline.peak_bytes,
-        budget_spec="100%",
-        solver=INFO,
-        profile_sha256="",
-        model=costly_model,
-    )
-    plain = build_schedule(
-        profile,
-        plan,
-        budget_bytes=profile.baseline.peak_bytes,
-        budget_spec="100%",
-        solver=INFO,
-        profile_sha256="",
-        model=model,
-    )
+    schedule = plan_schedule(costly, plan, peaks=1, model=costly_model)
+    plain = plan_schedule(profile, plan, peaks=1, model=model)
     assert consistency_problem(schedule) is None
     assert schedule.segments[0].overhead_ms == pytest.approx(plain.segments[0].overhead_ms + once, abs=1e-4)
     assert [s.overhead_ms for s in schedule.segments[1:]] == [s.overhead_ms for s in plain.segments[1:]]

@@ -13,7 +13,7 @@ from conftest import small_spec
 from typer.testing import CliRunner
 
 from monet_cli.cli.app import app
-from monet_cli.core.plan import build_schedule, variants_of
+from monet_cli.core.plan import variants_of
 from monet_cli.core.profile import save_profile
 from monet_cli.core.schedule import VariantDecision, consistency_problem, with_content_hash
 from monet_cli.core.segments import SegmentModel
@@ -24,7 +24,7 @@ from monet_cli.core.variants import find_sites, with_variants
 from monet_cli.profiler.run import profile_model
 from monet_cli.runtime.compare import run_apply
 from monet_cli.runtime.variants import install_on, variant_ready
-from tests.schedules_for_tests import INFO
+from tests.schedules_for_tests import plan_schedule
 
 CPU = torch.device("cpu")
 
@@ -55,15 +55,7 @@ def test_the_profile_measures_what_each_variant_keeps(chain_profile):
 
 def test_the_rewritten_profile_predicts_the_measured_peak_and_the_tolerance_holds(chain_profile):
     every = frozenset(range(len(chain_profile.variants)))
-    schedule = build_schedule(
-        chain_profile,
-        {},
-        budget_bytes=chain_profile.baseline.peak_bytes,
-        budget_spec="100%",
-        solver=INFO,
-        profile_sha256="",
-        variants=every,
-    )
+    schedule = plan_schedule(chain_profile, {}, peaks=1, variants=every)
     assert schedule.predicted.peak_bytes < chain_profile.baseline.peak_bytes
     report = run_apply(schedule, CPU, steps=1, check=True, timeline=True)
     assert report.measured_peak_bytes == schedule.predicted.peak_bytes
@@ -89,15 +81,7 @@ def test_the_step_peaking_in_a_variant_backward_is_predicted_to_the_byte():
         steps=1,
     )
     for chosen in ({0}, {1}, {0, 1}):
-        schedule = build_schedule(
-            profile,
-            {},
-            budget_bytes=2 * profile.baseline.peak_bytes,
-            budget_spec="x",
-            solver=INFO,
-            profile_sha256="",
-            variants=frozenset(chosen),
-        )
+        schedule = plan_schedule(profile, {}, variants=frozenset(chosen))
         report = run_apply(schedule, CPU, steps=1, check=True)
         assert report.measured_peak_bytes == schedule.predicted.peak_bytes, chosen
         assert report.check.ok, chosen
@@ -176,15 +160,7 @@ def find_sites_for(bn: torch.nn.Module):
 
 def test_schedules_record_variants_and_refuse_one_inside_a_segment(chain_profile):
     every = frozenset(range(len(chain_profile.variants)))
-    schedule = build_schedule(
-        chain_profile,
-        {},
-        budget_bytes=chain_profile.baseline.peak_bytes,
-        budget_spec="100%",
-        solver=INFO,
-        profile_sha256="",
-        variants=every,
-    )
+    schedule = plan_schedule(chain_profile, {}, peaks=1, variants=every)
     assert all(isinstance(v, VariantDecision) for v in schedule.variants)
     assert variants_of(schedule, chain_profile) == every
     assert consistency_problem(schedule) is None
@@ -245,15 +221,7 @@ def test_a_max_pooling_keeps_one_byte_offsets_and_stays_bit_exact(pool_profile):
     pooled = 4 * 8 * 16 * 16
     assert site.saved_bytes == pooled  # uint8 offsets, where PyTorch keeps the input and int64 indices
     assert site.native_saved_bytes == pooled * 8 + 4 * pooled * 4
-    schedule = build_schedule(
-        pool_profile,
-        {},
-        budget_bytes=pool_profile.baseline.peak_bytes,
-        budget_spec="100%",
-        solver=INFO,
-        profile_sha256="",
-        variants=frozenset({0}),
-    )
+    schedule = plan_schedule(pool_profile, {}, peaks=1, variants=frozenset({0}))
     assert schedule.tolerance() is None and schedule.variants[0].rtol == 0.0
     report = run_apply(schedule, CPU, steps=1, check=True)
     assert report.measured_peak_bytes == schedule.predicted.peak_bytes
@@ -289,15 +257,7 @@ def test_a_profile_without_the_schedules_variants_is_a_usage_error(chain_profile
     from monet_cli.errors import UsageError
 
     every = frozenset(range(len(chain_profile.variants)))
-    schedule = build_schedule(
-        chain_profile,
-        {},
-        budget_bytes=chain_profile.baseline.peak_bytes,
-        budget_spec="100%",
-        solver=INFO,
-        profile_sha256="",
-        variants=every,
-    )
+    schedule = plan_schedule(chain_profile, {}, peaks=1, variants=every)
     older = dataclasses.replace(chain_profile, variants=())
     with pytest.raises(UsageError, match="offers no operator variant or offload at '1'"):
         variants_of(schedule, older)

@@ -77,6 +77,26 @@ def test_recorder_sees_the_same_peak_as_the_plain_meter():
     assert recorder.peak_bytes == plain
 
 
+def test_a_profiled_model_is_freed_once_its_profile_is_made(monkeypatch):
+    """On CUDA the allocator counts every live tensor of the process: a model kept alive after
+    its profile would count in every later measurement (it did: the recorder's storage
+    finalizers held it)."""
+    import weakref
+
+    import monet_cli.profiler.run as run
+
+    models = []
+
+    def build_and_watch(*args, **kwargs):
+        workload = build_workload(*args, **kwargs)
+        models.append(weakref.ref(workload.model))
+        return workload
+
+    monkeypatch.setattr(run, "build_workload", build_and_watch)
+    profile_model(small_spec(shape=(3, 32, 32), batch_size=2), CPU, steps=1)
+    assert models and all(model() is None for model in models)
+
+
 def test_meter_is_deterministic():
     workload = _warm_workload(small_spec())
     peaks = set()

@@ -47,6 +47,12 @@ def allocator_divisions() -> int:
         raise UsageError(str(err)) from None
 
 
+def _release_if_alive(meter: weakref.ref[LiveStorageMeter], key: int) -> None:
+    alive = meter()
+    if alive is not None:
+        alive._release(key)
+
+
 class LiveStorageMeter(TorchDispatchMode):
     """Dispatch mode that tracks the bytes of every live tensor storage."""
 
@@ -79,7 +85,10 @@ class LiveStorageMeter(TorchDispatchMode):
                 self._divisions = allocator_divisions()
             nbytes = cuda_block_bytes(nbytes, roundup_power2_divisions=self._divisions)
         self._sizes[key] = nbytes
-        weakref.finalize(storage, self._release, key)
+        # The finalizer must not hold the meter: a meter holding a model (the profiler's
+        # recorder) would otherwise stay alive, model and all, as long as a parameter's
+        # storage does, and that storage as long as the model: for the rest of the process.
+        weakref.finalize(storage, _release_if_alive, weakref.ref(self), key)
         self.current_bytes += nbytes
         self.peak_bytes = max(self.peak_bytes, self.current_bytes)
         self.on_alloc(key, nbytes, kind, producer)

@@ -17,7 +17,7 @@ from monet_cli.core.simulate import peak_breakdown, simulate
 from monet_cli.core.solver.linear import LinearMemory
 from monet_cli.core.solver.search import Planner
 from monet_cli.errors import UsageError
-from monet_cli.runtime.meter import LiveStorageMeter
+from monet_cli.runtime.meter import LiveStorageMeter, cuda_allocated_bytes
 
 
 @pytest.mark.parametrize(
@@ -57,15 +57,18 @@ def test_the_alloc_conf_setting_is_read_or_refused():
 
 def test_the_meter_counts_cuda_storages_at_their_block_size(monkeypatch):
     """Fake CUDA tensors have real storages without a GPU: enough to check the meter's sizes."""
-    meter = LiveStorageMeter()
+    meter = LiveStorageMeter("cuda")
     with FakeTensorMode():
         tensors = [torch.empty(n, dtype=torch.uint8, device="cuda") for n in (513, 0, 1)]
-        cpu = torch.empty(513, dtype=torch.uint8)
+        cpu = torch.empty(513, dtype=torch.uint8)  # as attention's dropout seed: not the GPU's memory
         meter.register([*tensors, cpu])
-    assert meter.current_bytes == 1024 + 0 + 512 + 513  # the CPU storage is counted as it is
+        # What a CUDA measurement subtracts for a model kept beside it: a view adds nothing.
+        beside = cuda_allocated_bytes([*tensors, tensors[0][:10], cpu])
+    assert beside == 1024 + 0 + 512
+    assert meter.current_bytes == 1024 + 0 + 512 + 0
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "roundup_power2_divisions:[256:1]")
     with pytest.raises(UsageError), FakeTensorMode():
-        LiveStorageMeter().register([torch.empty(1, device="cuda")])
+        LiveStorageMeter("cuda").register([torch.empty(1, device="cuda")])
 
 
 # -- workspaces ------------------------------------------------------------------------------

@@ -61,7 +61,8 @@ def _savers(profile: Profile) -> dict[int, set[int]]:
 def movable_storages(
     profile: Profile, call: ModuleCall, packs: list[int], savers: dict[int, set[int]] | None = None
 ) -> list[int]:
-    """The storages an offload of ``call`` moves: activations it makes, saved only by its own
+    """The storages an offload of ``call`` moves: activations it makes on the device (not
+    the host scalars a CUDA step also saves, counted 0 bytes), saved only by its own
     ``packs``, never written in place, and dropped by Python before the call returns (nothing
     after it reads them: not its outputs)."""
     savers = savers or _savers(profile)
@@ -69,7 +70,7 @@ def movable_storages(
     found = []
     for sid in sorted({profile.packs[k].storage for k in packs}):
         s = profile.storages[sid]
-        if not savers[sid] <= ours or s.kind != "activation" or s.producer is None or s.mutated:
+        if not s.bytes or not savers[sid] <= ours or s.kind != "activation" or s.producer is None or s.mutated:
             continue
         if (
             call.first_op <= s.producer < call.end_op

@@ -25,7 +25,7 @@ from torch.utils._pytree import tree_flatten
 
 from monet_cli.core.profile import LOSS_MODULE
 from monet_cli.runtime.fingerprint import IGNORED_OPS, signature
-from monet_cli.runtime.meter import LiveStorageMeter, storage_key
+from monet_cli.runtime.meter import LiveStorageMeter, free_unreachable, storage_key
 from monet_cli.workload.step import Workload, loss_scope
 
 
@@ -103,7 +103,7 @@ class StepRecorder(LiveStorageMeter):
     """Records the structure and memory timeline of one training step."""
 
     def __init__(self, workload: Workload) -> None:
-        super().__init__()
+        super().__init__(workload.device.type)
         self.workload = workload
         self.pos = 0
         self.phase = "forward"
@@ -299,6 +299,7 @@ class StepRecorder(LiveStorageMeter):
         ``max_memory_allocated`` counts it in every step."""
         if self.cuda is None:
             return
+        free_unreachable(self.cuda)
         untracked = torch.cuda.memory_allocated(self.cuda) - self.current_bytes
         if untracked > 0:
             self.storages.append(

@@ -15,6 +15,7 @@ size (``core.allocator``), so that the profile adds up what the allocator counts
 
 from __future__ import annotations
 
+import gc
 import os
 import weakref
 from collections.abc import Callable, Iterable, Iterator
@@ -56,8 +57,11 @@ def _release_if_alive(meter: weakref.ref[LiveStorageMeter], key: int) -> None:
 class LiveStorageMeter(TorchDispatchMode):
     """Dispatch mode that tracks the bytes of every live tensor storage."""
 
-    def __init__(self) -> None:
+    def __init__(self, device_type: str = "cpu") -> None:
         super().__init__()
+        self.device_type = device_type
+        """The device whose memory is counted: a storage elsewhere counts 0 bytes (a CUDA
+        step's host scalars, such as attention's dropout seed and offset)."""
         self.current_bytes = 0
         self.peak_bytes = 0
         self.interrupted = False
@@ -80,7 +84,9 @@ class LiveStorageMeter(TorchDispatchMode):
         if key in self._sizes:
             return None
         nbytes = storage.nbytes()
-        if tensor.device.type == "cuda":
+        if tensor.device.type != self.device_type:
+            nbytes = 0
+        elif tensor.device.type == "cuda":
             if self._divisions is None:
                 self._divisions = allocator_divisions()
             nbytes = cuda_block_bytes(nbytes, roundup_power2_divisions=self._divisions)
@@ -199,11 +205,18 @@ class Measurement:
     """Live bytes after each op (CPU meter only, when asked for)."""
 
 
-def allocated_bytes(tensors: Iterable[torch.Tensor]) -> int:
-    """Bytes of the distinct storages behind ``tensors``, as the device's allocator counts them."""
-    meter = LiveStorageMeter()
+def cuda_allocated_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of the distinct CUDA storages behind ``tensors``, as the allocator counts them."""
+    meter = LiveStorageMeter("cuda")
     meter.register(tensors)
     return meter.current_bytes
+
+
+def free_unreachable(device: torch.device) -> None:
+    """Before reading the CUDA allocator, which counts every live block of the process:
+    collect unreachable cycles (a dropped model, say), so that only live tensors count."""
+    gc.collect()
+    torch.cuda.synchronize(device)
 
 
 def measure_step(
@@ -222,12 +235,11 @@ def measure_step(
     subtracted. What the allocator holds that is no tensor (cuBLAS workspaces) stays in, as
     it does in the profile."""
     if device.type == "cuda":
-        torch.cuda.synchronize(device)
+        free_unreachable(device)
         torch.cuda.reset_peak_memory_stats(device)
         step()
         torch.cuda.synchronize(device)
-        on_device = [t for t in foreign if t.device.type == "cuda"]  # CPU tensors are not the allocator's
-        peak = int(torch.cuda.max_memory_allocated(device)) - allocated_bytes(on_device)
+        peak = int(torch.cuda.max_memory_allocated(device)) - cuda_allocated_bytes(foreign)
         return Measurement(peak_bytes=peak, meter="cuda-allocator")
     meter = TimelineMeter(machinery) if timeline else LiveStorageMeter()
     for tensor, kind in preexisting:

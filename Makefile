@@ -51,16 +51,17 @@ schedules: $(STAMP)
 		CI=1 $(BIN)/monet solve configs/$$name.profile.yaml --budget $$budget || exit 1; \
 	done
 
-# On a CUDA machine: profile -> solve (60% and the smallest peak) -> apply --check on resnet50,
-# the tiny GPT and a LLaMA-style decoder, then pytest -m gpu; writes bench/results/gpu-check.json
+# On a CUDA machine: pytest -m gpu, then profile -> solve (60% and the smallest peak) -> apply
+# --check on resnet50, the tiny GPT and a LLaMA-style decoder; writes bench/results/gpu-check.json
 # and docs/gpu.md. Exits 9 without a GPU. It runs on whatever Python holds torch there (GPU_PYTHON),
 # with monet from this checkout; OR-Tools comes from `make gpu-wheels` when that machine has none.
+# GPU_CHECK_ARGS passes options on, e.g. GPU_CHECK_ARGS='--workloads gpt --save /tmp/plans'.
 GPU_PYTHON ?= $(if $(wildcard $(BIN)/python),$(BIN)/python,python3)
 GPU_WHEELS := dist/gpu-wheels
 gpu-check:
 	@if [ -d $(GPU_WHEELS) ] && ! $(GPU_PYTHON) -c "import ortools" 2>/dev/null; then \
 		$(GPU_PYTHON) -m pip install --quiet --no-deps --no-index $(GPU_WHEELS)/*.whl; fi
-	$(GPU_PYTHON) bench/gpu_check.py
+	$(GPU_PYTHON) bench/gpu_check.py $(GPU_CHECK_ARGS)
 
 # Wheels for a GPU machine without network access (Python 3.12, x86_64): OR-Tools and the two
 # packages it needs that such images lack, plus monet itself.

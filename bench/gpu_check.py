@@ -1,16 +1,17 @@
 """`make gpu-check`: the whole loop on a CUDA GPU, with one summary of what it measured.
 
-For each workload: profile on the GPU, find the smallest reachable peak, solve at 60% of the
-baseline (halfway down to the smallest peak when 60% cannot be reached) and just above the
-smallest peak, then ``apply --check`` each schedule beside the unmodified model. Then the
-pytest ``gpu`` marker. Writes bench/results/gpu-check.json and docs/gpu.md.
+First the pytest ``gpu`` marker. Then, for each workload: profile on the GPU, find the
+smallest reachable peak, solve at 60% of the baseline (halfway down to the smallest peak when
+60% cannot be reached) and just above the smallest peak, then ``apply --check`` each schedule
+beside the unmodified model. Writes bench/results/gpu-check.json and docs/gpu.md after each
+workload, so that a run cut short still leaves what it measured.
 
 Without a CUDA GPU it writes nothing and exits 9 (monet's "device not available" code): a
 GPU result is never claimed where none was measured. It needs OR-Tools; a machine without
 network access gets it from wheels made here with ``make gpu-wheels``.
 
     python bench/gpu_check.py                       # every workload
-    python bench/gpu_check.py --workloads gpt --skip-pytest
+    python bench/gpu_check.py --workloads gpt --skip-pytest --save /tmp/plans --workers 8
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import platform
 import subprocess
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -31,6 +33,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from monet_cli.core.yamlio import atomic_write_text  # noqa: E402
 from monet_cli.errors import EXIT_DEVICE  # noqa: E402
 
 TIME_LIMIT_S = 20.0
@@ -63,16 +66,16 @@ def _spec(name: str):
     from monet_cli.workload.resolve import Overrides, resolve_model_spec
 
     model, batch, shape, precision, extra = WORKLOADS[name]
-    inputs = None
-    if shape is not None:
-        tokens = model.startswith("hf:")
-        inputs = (InputSpec(shape=shape, dtype="int64", low=0, high=32000) if tokens else InputSpec(shape=shape),)
+    # hf: models build their own token inputs from the sequence length.
+    inputs = None if shape is None else (InputSpec(shape=shape),)
     return resolve_model_spec(model, Overrides(batch_size=batch, inputs=inputs, precision=precision, **extra))
 
 
-def run_workload(name: str, device: torch.device) -> dict:
+def run_workload(name: str, device: torch.device, *, workers: int = 2, save: Path | None = None) -> dict:
     from bench.real_models import case_budgets
     from monet_cli.core.plan import solve_schedule
+    from monet_cli.core.profile import save_profile
+    from monet_cli.core.schedule import save_schedule
     from monet_cli.core.segments import SegmentModel
     from monet_cli.core.simulate import simulate
     from monet_cli.core.solver.search import Planner
@@ -82,13 +85,27 @@ def run_workload(name: str, device: torch.device) -> dict:
     start = time.perf_counter()
     profile = profile_model(_spec(name), device, steps=3)
     profile_s = time.perf_counter() - start
+    if save is not None:
+        save_profile(profile, save / f"{name}.profile.yaml")
     planner = Planner(SegmentModel(profile))
-    lowest = planner.minimum_peak(time_limit_s=TIME_LIMIT_S, workers=2, seed=0)
+    lowest = planner.minimum_peak(time_limit_s=TIME_LIMIT_S, workers=workers, seed=0)
     runs = []
     for label, budget in case_budgets(profile.baseline.peak_bytes, lowest.peak_bytes).items():
         schedule, outcome = solve_schedule(
-            planner, budget, label, time_limit_s=TIME_LIMIT_S, workers=2, seed=0, hint=(lowest.plan, lowest.variants)
+            planner,
+            budget,
+            label,
+            time_limit_s=TIME_LIMIT_S,
+            workers=workers,
+            seed=0,
+            hint=(lowest.plan, lowest.variants),
         )
+        if schedule is None:
+            raise RuntimeError(
+                f"no schedule at {label} ({budget} B, smallest peak {lowest.peak_bytes} B): {outcome.status}"
+            )
+        if save is not None:
+            save_schedule(schedule, save / f"{name}-{label}.schedule.yaml")
         report = run_apply(schedule, device, steps=3, check=True)
         check = report.check
         runs.append(
@@ -96,8 +113,10 @@ def run_workload(name: str, device: torch.device) -> dict:
                 "budget": label,
                 "budget_bytes": budget,
                 "solver_status": outcome.status,
+                "solve_s": outcome.time_s,
                 "predicted_peak_bytes": report.predicted_peak_bytes,
                 "measured_peak_bytes": report.measured_peak_bytes,
+                "baseline_peak_bytes": report.baseline_peak_bytes,
                 "error": report.prediction_error,
                 "within_budget": report.within_budget,
                 "predicted_overhead": schedule.predicted.overhead,
@@ -134,6 +153,7 @@ def run_gpu_tests() -> dict:
         text=True,
         check=False,
     )
+    sys.stderr.write(result.stdout + result.stderr)  # the failures' details, for the log
     tail = (result.stdout.strip().splitlines() or [""])[-1]
     return {"returncode": result.returncode, "summary": tail}
 
@@ -150,12 +170,12 @@ def render(summary: dict) -> str:
         f"Written by `make gpu-check` on {summary['date']}: {summary['device']}, torch {summary['torch']} "
         f"(CUDA {summary['cuda']}), Python {summary['python']}. Every figure below was measured on that machine.",
         "",
-        "| workload | budget | predicted | measured | error | within | overhead pred / meas | gradients |",
-        "|---|---|---|---|---|---|---|---|",
+        "| workload | budget | predicted | measured | error | within | unmodified | overhead pred / meas | gradients |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for w in summary["workloads"]:
         if "error" in w:
-            lines.append(f"| {w['workload']} | failed: {w['error']} | | | | | | |")
+            lines.append(f"| {w['workload']} | failed: {w['error']} | | | | | | | |")
             continue
         for r in w["runs"]:
             measured = "n/a" if r["measured_overhead"] is None else f"{100 * r['measured_overhead']:+.1f}%"
@@ -163,6 +183,7 @@ def render(summary: dict) -> str:
                 f"| {w['workload']} ({w['precision']}, batch {w['batch_size']}) | {r['budget']} "
                 f"({r['budget_bytes'] / 2**20:.1f} MiB) | {r['predicted_peak_bytes'] / 2**20:.2f} MiB | "
                 f"{r['measured_peak_bytes'] / 2**20:.2f} MiB | {100 * r['error']:+.2f}% | {r['within_budget']} | "
+                f"{r['baseline_peak_bytes'] / 2**20:.2f} MiB | "
                 f"{100 * r['predicted_overhead']:+.1f}% / {measured} | {'ok' if r['grads_ok'] else 'DIFFER'}: "
                 f"{r['check']}{_offloaded(r)} |"
             )
@@ -198,6 +219,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "gpu-check.json")
     parser.add_argument("--doc", type=Path, default=ROOT / "docs" / "gpu.md")
     parser.add_argument("--skip-pytest", action="store_true")
+    parser.add_argument("--workers", type=int, default=2, help="CP-SAT workers per solve")
+    parser.add_argument("--save", type=Path, help="also write each profile and schedule into this folder")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         build = f"a CUDA {torch.version.cuda} build" if torch.version.cuda else "a CPU-only build"
@@ -209,6 +232,8 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set(args.workloads.split(",")) - set(WORKLOADS))
     if unknown:
         parser.error(f"unknown workloads {unknown}; known: {sorted(WORKLOADS)}")
+    if args.save is not None:
+        args.save.mkdir(parents=True, exist_ok=True)
     device = torch.device("cuda")
     summary = {
         "date": dt.datetime.now(dt.timezone.utc).replace(microsecond=0).isoformat(),
@@ -216,19 +241,21 @@ def main(argv: list[str] | None = None) -> int:
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
         "python": platform.python_version(),
+        "workers": args.workers,
         "workloads": [],
     }
+    # The tests first, and the summary written after each step: a run cut short by a time limit
+    # still leaves what it measured.
+    summary["gpu_tests"] = None if args.skip_pytest else run_gpu_tests()
     for name in args.workloads.split(","):
         print(f"gpu-check: {name}", file=sys.stderr)
         try:
-            summary["workloads"].append(run_workload(name, device))
+            summary["workloads"].append(run_workload(name, device, workers=args.workers, save=args.save))
         except Exception as err:  # one workload's failure is a result too: record it, go on
+            traceback.print_exc()
             summary["workloads"].append({"workload": name, "error": f"{type(err).__name__}: {err}"})
         torch.cuda.empty_cache()
-    summary["gpu_tests"] = None if args.skip_pytest else run_gpu_tests()
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(summary, indent=2) + "\n")
-    args.doc.write_text(render(summary))
+        write_summary(summary, args.out, args.doc)
     failed = [
         w["workload"]
         for w in summary["workloads"]
@@ -239,6 +266,12 @@ def main(argv: list[str] | None = None) -> int:
         file=sys.stderr,
     )
     return 1 if failed or (summary["gpu_tests"] and summary["gpu_tests"]["returncode"] not in (0, 5)) else 0
+
+
+def write_summary(summary: dict, out: Path, doc: Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(out, json.dumps(summary, indent=2) + "\n")
+    atomic_write_text(doc, render(summary))
 
 
 if __name__ == "__main__":

@@ -62,6 +62,15 @@ def test_gpu_check_runs_a_workload_and_renders_it_on_the_cpu_too():
     assert "25.0 GB/s to the host, 26.0 GB/s to the device, 10 us per copy" in page
 
 
+def test_every_gpu_check_workload_resolves_to_a_model_spec():
+    """The GPU run is rare and short: a workload that cannot even be resolved must fail here."""
+    from bench.gpu_check import WORKLOADS, _spec
+
+    for name, (_, batch, _, precision, _) in WORKLOADS.items():
+        spec = _spec(name)
+        assert spec.precision == precision and (batch is None or spec.batch_size == batch), name
+
+
 @pytest.mark.gpu
 def test_the_allocator_counts_what_the_rounding_rule_says():
     device = torch.device("cuda")
@@ -75,34 +84,26 @@ def test_the_allocator_counts_what_the_rounding_rule_says():
 
 @pytest.mark.gpu
 def test_a_cuda_schedule_holds_its_budget_and_gradients():
-    from monet_cli.core.plan import build_schedule
+    from monet_cli.core.plan import solve_schedule
     from monet_cli.core.segments import SegmentModel
-    from monet_cli.core.solver.search import Planner, solver_info
+    from monet_cli.core.simulate import simulate
+    from monet_cli.core.solver.search import Planner
     from monet_cli.profiler.run import profile_model
     from monet_cli.runtime.compare import run_apply
 
     device = torch.device("cuda")
     profile = profile_model(small_spec("resnet18", shape=(3, 64, 64), batch_size=16), device, steps=2)
     assert profile.baseline.meter == "cuda-allocator"
-    from monet_cli.core.simulate import simulate
-
     # Block sizes, workspaces and the allocator's non-tensor bytes: the simulator's unscheduled
     # step is what the allocator measured.
     simulated = simulate(profile, {}).peak_bytes
     assert abs(simulated - profile.baseline.peak_bytes) <= 0.02 * profile.baseline.peak_bytes, simulated
-    model = SegmentModel(profile)
-    planner = Planner(model)
+    planner = Planner(SegmentModel(profile))
     floor = planner.minimum_peak(time_limit_s=20, workers=2, seed=0)
     budget = (floor.peak_bytes + profile.baseline.peak_bytes) // 2
-    outcome = planner.solve(budget, time_limit_s=20, workers=2, seed=0, hint=(floor.plan, floor.variants))
-    schedule = build_schedule(
-        profile,
-        outcome.plan,
-        budget_bytes=budget,
-        budget_spec="halfway",
-        profile_sha256="",
-        model=model,
-        solver=solver_info(outcome, workers=2, seed=0, time_limit_s=20),
+    # solve_schedule keeps the operator variants (offloads) the solver chose with the plan.
+    schedule, _ = solve_schedule(
+        planner, budget, "halfway", time_limit_s=20, workers=2, seed=0, hint=(floor.plan, floor.variants)
     )
     report = run_apply(schedule, device, steps=2, check=True)
     assert report.within_budget, report

@@ -38,6 +38,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from itertools import combinations
 
+from monet_cli.core.allocator import allocator_peak
 from monet_cli.core.profile import Profile, StorageRecord
 from monet_cli.core.segments import NEST_LEVELS, Frame, SegmentModel
 from monet_cli.core.variants import with_variants
@@ -398,6 +399,19 @@ def _events(model: SegmentModel, plan: Plan, variants: Variants = frozenset()) -
     for call in plan:
         events.add_burst(call)
     return events
+
+
+def allocator_peak_bytes(
+    model: SegmentModel, plan: Plan, variants: Variants = frozenset(), *, expandable_segments: bool = False
+) -> int:
+    """The peak of ``plan`` on a CUDA profile as PyTorch's caching allocator counts it
+    (``core.allocator``): the same events, with large blocks left unsplit counted whole. A
+    diagnostic beside ``simulate``, whose byte sum the solver plans with."""
+    events = _events(model, plan, variants)
+    spans = [(alloc, free, nbytes) for (alloc, nbytes), (free, _) in zip(events.items[::2], events.items[1::2])]
+    before, after = (-1, 2), (events.end, 0)
+    resident = [i for i, (alloc, free, _) in enumerate(spans) if alloc == before and free == after]
+    return allocator_peak(spans, resident=resident, expandable_segments=expandable_segments)
 
 
 def live_at_peak(model: SegmentModel, plan: Plan, variants: Variants = frozenset()) -> list[tuple[int, bool, int]]:

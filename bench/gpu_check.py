@@ -33,8 +33,10 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from monet_cli.core.allocator import expandable_segments  # noqa: E402
 from monet_cli.core.yamlio import atomic_write_text  # noqa: E402
 from monet_cli.errors import EXIT_DEVICE  # noqa: E402
+from monet_cli.runtime.meter import alloc_conf  # noqa: E402
 
 TIME_LIMIT_S = 20.0
 WORKLOADS = {
@@ -77,7 +79,7 @@ def run_workload(name: str, device: torch.device, *, workers: int = 2, save: Pat
     from monet_cli.core.profile import save_profile
     from monet_cli.core.schedule import save_schedule
     from monet_cli.core.segments import SegmentModel
-    from monet_cli.core.simulate import simulate
+    from monet_cli.core.simulate import allocator_peak_bytes, simulate
     from monet_cli.core.solver.search import Planner
     from monet_cli.profiler.run import profile_model
     from monet_cli.runtime.compare import run_apply
@@ -88,6 +90,7 @@ def run_workload(name: str, device: torch.device, *, workers: int = 2, save: Pat
     if save is not None:
         save_profile(profile, save / f"{name}.profile.yaml")
     planner = Planner(SegmentModel(profile))
+    expandable = expandable_segments(alloc_conf())
     lowest = planner.minimum_peak(time_limit_s=TIME_LIMIT_S, workers=workers, seed=0)
     runs = []
     for label, budget in case_budgets(profile.baseline.peak_bytes, lowest.peak_bytes).items():
@@ -115,6 +118,9 @@ def run_workload(name: str, device: torch.device, *, workers: int = 2, save: Pat
                 "solver_status": outcome.status,
                 "solve_s": outcome.time_s,
                 "predicted_peak_bytes": report.predicted_peak_bytes,
+                "replayed_peak_bytes": allocator_peak_bytes(
+                    planner.model, outcome.plan, outcome.variants, expandable_segments=expandable
+                ),
                 "measured_peak_bytes": report.measured_peak_bytes,
                 "baseline_peak_bytes": report.baseline_peak_bytes,
                 "error": report.prediction_error,
@@ -136,6 +142,7 @@ def run_workload(name: str, device: torch.device, *, workers: int = 2, save: Pat
         "profile_s": round(profile_s, 1),
         "baseline_peak_bytes": profile.baseline.peak_bytes,
         "simulated_baseline_bytes": simulate(profile, {}).peak_bytes,
+        "replayed_baseline_bytes": allocator_peak_bytes(planner.model, {}, expandable_segments=expandable),
         "floor_bytes": lowest.peak_bytes,
         "op_ms_sum": round(sum(o.time_ms for o in profile.ops) + sum(o.time_ms for o in profile.backward), 2),
         "baseline_step_ms": profile.baseline.step_ms,
@@ -168,20 +175,25 @@ def render(summary: dict) -> str:
         "# monet on a GPU: measured",
         "",
         f"Written by `make gpu-check` on {summary['date']}: {summary['device']}, torch {summary['torch']} "
-        f"(CUDA {summary['cuda']}), Python {summary['python']}. Every figure below was measured on that machine.",
+        f"(CUDA {summary['cuda']}), Python {summary['python']}, PYTORCH_CUDA_ALLOC_CONF "
+        f"'{summary['alloc_conf']}'. Measured on that machine, except 'predicted' (the simulator's sum of the "
+        "requests) and 'replayed' (the caching allocator's blocks replayed for the same events), both "
+        "computed from its profiles. 'unmodified': the model without the schedule, measured beside it.",
         "",
-        "| workload | budget | predicted | measured | error | within | unmodified | overhead pred / meas | gradients |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| workload | budget | predicted | replayed | measured | error | within | unmodified | overhead pred / meas "
+        "| gradients |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for w in summary["workloads"]:
         if "error" in w:
-            lines.append(f"| {w['workload']} | failed: {w['error']} | | | | | | | |")
+            lines.append(f"| {w['workload']} | failed: {w['error']} | | | | | | | | |")
             continue
         for r in w["runs"]:
             measured = "n/a" if r["measured_overhead"] is None else f"{100 * r['measured_overhead']:+.1f}%"
             lines.append(
                 f"| {w['workload']} ({w['precision']}, batch {w['batch_size']}) | {r['budget']} "
                 f"({r['budget_bytes'] / 2**20:.1f} MiB) | {r['predicted_peak_bytes'] / 2**20:.2f} MiB | "
+                f"{r['replayed_peak_bytes'] / 2**20:.2f} MiB | "
                 f"{r['measured_peak_bytes'] / 2**20:.2f} MiB | {100 * r['error']:+.2f}% | {r['within_budget']} | "
                 f"{r['baseline_peak_bytes'] / 2**20:.2f} MiB | "
                 f"{100 * r['predicted_overhead']:+.1f}% / {measured} | {'ok' if r['grads_ok'] else 'DIFFER'}: "
@@ -189,14 +201,16 @@ def render(summary: dict) -> str:
             )
     lines += [
         "",
-        "| workload | baseline measured | baseline simulated | smallest peak | op times summed / step | ops with workspace |",
-        "|---|---|---|---|---|---|",
+        "| workload | baseline measured | simulated | replayed | smallest peak | op times summed / step "
+        "| ops with workspace |",
+        "|---|---|---|---|---|---|---|",
     ]
     for w in summary["workloads"]:
         if "error" not in w:
             lines.append(
                 f"| {w['workload']} | {w['baseline_peak_bytes'] / 2**20:.2f} MiB | "
-                f"{w['simulated_baseline_bytes'] / 2**20:.2f} MiB | {w['floor_bytes'] / 2**20:.2f} MiB | "
+                f"{w['simulated_baseline_bytes'] / 2**20:.2f} MiB | {w['replayed_baseline_bytes'] / 2**20:.2f} MiB | "
+                f"{w['floor_bytes'] / 2**20:.2f} MiB | "
                 f"{w['op_ms_sum']:.1f} / {w['baseline_step_ms']:.1f} ms | {w['workspace_ops']} |"
             )
     speeds = [w["transfer"] for w in summary["workloads"] if w.get("transfer")]
@@ -241,6 +255,7 @@ def main(argv: list[str] | None = None) -> int:
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
         "python": platform.python_version(),
+        "alloc_conf": alloc_conf(),
         "workers": args.workers,
         "workloads": [],
     }

@@ -54,6 +54,7 @@ def test_gpu_check_runs_a_workload_and_renders_it_on_the_cpu_too():
             "torch": torch.__version__,
             "cuda": None,
             "python": "3",
+            "alloc_conf": "",
             "workloads": [{**row, "transfer": measured}, {"workload": "llama", "error": "RuntimeError: x"}],
             "gpu_tests": None,
         }

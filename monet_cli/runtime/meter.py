@@ -39,11 +39,15 @@ def storage_key(tensor: torch.Tensor) -> int:
     return tensor.untyped_storage()._cdata
 
 
+def alloc_conf() -> str:
+    """The CUDA caching allocator's settings in this process, from both variables PyTorch reads."""
+    return ",".join(filter(None, (os.environ.get(name) for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"))))
+
+
 def allocator_divisions() -> int:
     """The CUDA allocator's ``roundup_power2_divisions`` setting in this process (0: not set)."""
-    conf = ",".join(os.environ.get(name, "") for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"))
     try:
-        return roundup_divisions(conf)
+        return roundup_divisions(alloc_conf())
     except ValueError as err:
         raise UsageError(str(err)) from None
 

@@ -179,13 +179,12 @@ def allocator_peak(
     *,
     resident: Sequence[int],
     expandable_segments: bool = False,
-    steps: int = 2,
 ) -> int:
-    """The allocator's peak in the last of ``steps`` identical steps: ``spans`` are each
-    storage's (alloc key, free key, bytes) in a step, ``resident`` the indices of those made
-    before the first step and kept after the last (parameters, optimizer state, inputs, what
-    the allocator held beyond tensors). Earlier steps leave the cache as a warm-up step
-    leaves it for the measured one."""
+    """The allocator's peak in the second of two identical steps (the first leaves the cache
+    as a warm-up step leaves it for a measured one): ``spans`` are each storage's (alloc key,
+    free key, bytes) in a step, ``resident`` the indices of those made before the first step
+    and kept after the last (parameters, optimizer state, inputs, what the allocator held
+    beyond tensors)."""
     allocator = CachingAllocator(expandable_segments=expandable_segments)
     kept = set(resident)
     # Their blocks are counted as the profile measured them (the bytes the allocator held
@@ -197,7 +196,7 @@ def allocator_peak(
         if index not in kept and nbytes  # a zero-byte request takes no block
         for key, made in ((alloc, 1), (free, 0))
     )
-    for _ in range(steps):
+    for _ in range(2):
         allocator.peak_bytes = allocator.allocated_bytes
         live: dict[int, _Block] = {}
         for _, made, index in events:

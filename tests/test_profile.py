@@ -93,7 +93,7 @@ def test_a_profiled_model_is_freed_once_its_profile_is_made(monkeypatch):
         return workload
 
     monkeypatch.setattr(run, "build_workload", build_and_watch)
-    profile_model(small_spec(shape=(3, 32, 32), batch_size=2), CPU, steps=1)
+    profile_model(small_spec("tests.models_for_tests:skip_cnn"), CPU, steps=1)
     assert models and all(model() is None for model in models)
 
 

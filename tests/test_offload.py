@@ -214,3 +214,15 @@ def test_copies_come_back_one_ahead_of_need_and_cost_only_the_waits(resnet18_pro
     copies_back_ms = sum(sizes) / 1e3
     backward_ms = sum(op.time_ms for op in profile.backward)
     assert copies_back_ms - backward_ms <= cost(slow_back) - hooks_ms <= copies_back_ms
+
+
+def test_a_host_tensor_the_call_saves_is_not_moved(resnet18_profile, small_sites):
+    """A CUDA step saves attention's dropout seed and offset as host tensors, which its profile
+    counts as 0 bytes: an offload leaves them where they are (moving one stopped the step)."""
+    profile = replace(resnet18_profile, transfer=TRANSFER)
+    call = next(c for c in profile.calls if c.fqn == "layer1.0")
+    moved = core_offload.plan_offload(profile, call).storages
+    storages = list(profile.storages)
+    storages[moved[0]] = replace(storages[moved[0]], bytes=0)  # as if it lived on the host
+    offload = core_offload.plan_offload(replace(profile, storages=type(profile.storages)(storages)), call)
+    assert offload is not None and list(offload.storages) == list(moved[1:])

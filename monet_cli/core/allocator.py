@@ -46,31 +46,33 @@ def _next_power2_division(nbytes: int, divisions: int) -> int:
     return nbytes if rounded_down == nbytes else rounded_down + step
 
 
+def _setting(alloc_conf: str, name: str) -> str | None:
+    """The value of setting ``name`` in a ``PYTORCH_CUDA_ALLOC_CONF`` value (None: not set)."""
+    for item in alloc_conf.split(","):
+        key, _, value = item.partition(":")
+        if key.strip() == name:
+            return value.strip()
+    return None
+
+
 def roundup_divisions(alloc_conf: str) -> int:
     """``roundup_power2_divisions`` from a ``PYTORCH_CUDA_ALLOC_CONF`` value (0: not set).
 
     Raises ValueError for the per-size form (``roundup_power2_divisions:[256:1,>:4]``), which
     rounds each size range its own way: monet's rounding would not match it."""
-    for item in alloc_conf.split(","):
-        key, _, value = item.partition(":")
-        if key.strip() != "roundup_power2_divisions":
-            continue
-        value = value.strip()
-        if not value.isdigit():
-            raise ValueError(
-                f"PYTORCH_CUDA_ALLOC_CONF roundup_power2_divisions:{value}: monet models only one number of divisions"
-            )
-        return int(value)
-    return 0
+    value = _setting(alloc_conf, "roundup_power2_divisions")
+    if value is None:
+        return 0
+    if not value.isdigit():
+        raise ValueError(
+            f"PYTORCH_CUDA_ALLOC_CONF roundup_power2_divisions:{value}: monet models only one number of divisions"
+        )
+    return int(value)
 
 
 def expandable_segments(alloc_conf: str) -> bool:
     """Whether a ``PYTORCH_CUDA_ALLOC_CONF`` value turns on ``expandable_segments``."""
-    for item in alloc_conf.split(","):
-        key, _, value = item.partition(":")
-        if key.strip() == "expandable_segments":
-            return value.strip().lower() == "true"
-    return False
+    return (_setting(alloc_conf, "expandable_segments") or "").lower() == "true"
 
 
 # -- the allocator's blocks ------------------------------------------------------------------

@@ -48,6 +48,9 @@ Plan = dict[int, frozenset[int]]
 
 Key = tuple[int, ...]
 
+BEFORE_STEP: Key = (-1, 2)
+"""Where a storage made before the step (parameters, optimizer state, inputs) is allocated."""
+
 WORKSPACE = -1
 """Owner of a workspace event in ``_Events.owners`` (storage ids are >= 0)."""
 
@@ -277,7 +280,7 @@ class _Events:
         return self.burst_key(call, self.frames[call].stop, 0)
 
     def add_storage(self, s: StorageRecord) -> None:
-        alloc: Key = (s.alloc, 2) if s.producer is not None or s.alloc > 0 else (-1, 2)
+        alloc: Key = (s.alloc, 2) if s.producer is not None or s.alloc > 0 else BEFORE_STEP
         baseline_free: Key = (self.end if s.free is None else s.free, 0)
         if s.kind != "activation" or s.producer is None:
             self.span(alloc, baseline_free, s.bytes, s.id)
@@ -409,8 +412,8 @@ def allocator_peak_bytes(
     diagnostic beside ``simulate``, whose byte sum the solver plans with."""
     events = _events(model, plan, variants)
     spans = [(alloc, free, nbytes) for (alloc, nbytes), (free, _) in zip(events.items[::2], events.items[1::2])]
-    before, after = (-1, 2), (events.end, 0)
-    resident = [i for i, (alloc, free, _) in enumerate(spans) if alloc == before and free == after]
+    after = (events.end, 0)
+    resident = [i for i, (alloc, free, _) in enumerate(spans) if alloc == BEFORE_STEP and free == after]
     return allocator_peak(spans, resident=resident, expandable_segments=expandable_segments)
 
 

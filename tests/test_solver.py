@@ -405,6 +405,38 @@ def test_a_cut_binds_only_plans_with_the_segments_that_met_there(two_branch):
     assert answer.status == "OPTIMAL" and segment not in answer.plan
 
 
+def test_the_solve_loop_proves_no_answer_the_simulator_refuses(monkeypatch):
+    """Each incumbent of the lazily built model is simulated as it comes, and the search stops
+    at the first one over budget to add its rows: rounds used to run CP-SAT to its proof on an
+    answer the simulator then refused (resnet50 at 50%: three rounds of about 10 s each)."""
+    from pathlib import Path
+
+    from monet_cli.core.profile import load_profile
+    from monet_cli.core.solver import search
+
+    profile = load_profile(Path(__file__).resolve().parent.parent / "configs" / "gpt.profile.yaml")
+    planner = Planner(SegmentModel(profile))
+    budget = profile.baseline.peak_bytes // 2
+    monkeypatch.setattr(search, "LAZY_ROWS", 8)  # few rows at first, so rounds must add some
+    answers = []
+
+    def recorded(cp, variables, **kwargs):
+        answer = search_solve_model(cp, variables, **kwargs)
+        if "accept" in kwargs:  # the budget's rounds, not the smallest peak's search
+            answers.append(answer)
+        return answer
+
+    search_solve_model = search.solve_model
+    monkeypatch.setattr(search, "solve_model", recorded)
+    outcome = planner.solve(budget, time_limit_s=30, workers=1, seed=0)
+    assert outcome.status == "OPTIMAL" and outcome.method == "cp-sat" and outcome.result.peak_bytes <= budget
+    refused = [answer.refused for answer in answers if answer.refused is not None]
+    assert len(refused) == outcome.rounds - 1 > 0
+    assert all(planner._peak(*plan) > budget for plan in refused)
+    proven = [answer for answer in answers if answer.refused is None and answer.plan is not None]
+    assert proven and all(planner._peak(answer.plan, answer.variants) <= budget for answer in proven)
+
+
 def test_what_the_step_pays_once_for_checkpointing_is_priced_once(enumerable):
     """``first_frame_ms`` is added once to any schedule with a segment, never to the empty
     one: in the simulator, in the solver's objective (which still finds the enumerated best)

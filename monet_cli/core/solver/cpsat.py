@@ -323,17 +323,37 @@ class CpResult:
     objective: float | None
     bound: float | None
     wall_s: float
+    refused: tuple[Plan, Variants] | None = None
+    """The incumbent ``accept`` refused, where the search stopped; ``plan`` is then the last
+    accepted one (None when there was none)."""
+
+
+Accept = Callable[[Plan, Variants], bool]
 
 
 class _Incumbents(cp_model.CpSolverSolutionCallback):
-    def __init__(self, report: Callable[[float, float, float], None] | None) -> None:
+    """Reports each incumbent and stops the search at the first one ``accept`` refuses."""
+
+    def __init__(self, v: Variables, report: Callable[[float, float, float], None] | None, accept: Accept | None):
         super().__init__()
+        self.v = v
         self.report = report
+        self.accept = accept
         self.start = time.perf_counter()
+        self.accepted: tuple[Plan, Variants, float] | None = None
+        self.refused: tuple[Plan, Variants] | None = None
 
     def on_solution_callback(self) -> None:
         if self.report is not None:
             self.report(self.objective_value, self.best_objective_bound, time.perf_counter() - self.start)
+        if self.accept is None:
+            return
+        plan, variants = extract(self, self.v), chosen_variants(self, self.v)
+        if self.accept(plan, variants):
+            self.accepted = (plan, variants, self.objective_value)
+        else:
+            self.refused = (plan, variants)
+            self.stop_search()
 
 
 def solve_model(
@@ -345,10 +365,13 @@ def solve_model(
     seed: int,
     relative_gap: float = 0.0,
     on_incumbent: Callable[[float, float, float], None] | None = None,
+    accept: Accept | None = None,
 ) -> CpResult:
     """Solve ``cp``; with ``relative_gap`` > 0, stop once the answer is proven within that
     fraction of the optimum. CP-SAT reports such a stop as OPTIMAL; it is returned as FEASIBLE
-    unless the bound proves the answer optimal."""
+    unless the bound proves the answer optimal. With ``accept``, every incumbent is checked
+    and the search stops at the first refused one (``CpResult.refused``): checking a lazily
+    built model's incumbents as they come spares proving an answer that fails the check."""
     solver = cp_model.CpSolver()
     solver.parameters.max_time_in_seconds = max(0.1, time_limit_s)
     solver.parameters.relative_gap_limit = relative_gap
@@ -364,7 +387,19 @@ def solve_model(
         # Two workers get a thin default portfolio whose bound stalls (mobilenet_v2: 30% gap
         # after 60 s); the full-LP and core workers prove the same problems in seconds.
         solver.parameters.subsolvers.extend(["max_lp", "core"])
-    status = solver.solve(cp, _Incumbents(on_incumbent))
+    incumbents = _Incumbents(v, on_incumbent, accept)
+    status = solver.solve(cp, incumbents)
+    if incumbents.refused is not None:
+        accepted = incumbents.accepted
+        return CpResult(
+            status="FEASIBLE" if accepted else "UNKNOWN",
+            plan=accepted[0] if accepted else None,
+            variants=accepted[1] if accepted else frozenset(),
+            objective=accepted[2] if accepted else None,
+            bound=None,
+            wall_s=solver.wall_time,
+            refused=incumbents.refused,
+        )
     name = solver.status_name(status)
     # The objective is integral: an answer under one unit above the bound is proven optimal.
     if status == cp_model.OPTIMAL and solver.objective_value - solver.best_objective_bound >= 1:
@@ -374,17 +409,22 @@ def solve_model(
     return CpResult(
         status=name,
         plan=extract(solver, v),
-        variants=frozenset(i for i, var in v.variant.items() if solver.boolean_value(var)),
+        variants=chosen_variants(solver, v),
         objective=solver.objective_value,
         bound=solver.best_objective_bound,
         wall_s=solver.wall_time,
     )
 
 
-def extract(solver: cp_model.CpSolver, v: Variables) -> Plan:
-    """Read the chosen segments and kept ops back into a plan."""
+def extract(solver: cp_model.CpSolver | cp_model.CpSolverSolutionCallback, v: Variables) -> Plan:
+    """Read the chosen segments and kept ops back into a plan (from a finished solve or an
+    incumbent)."""
     plan: Plan = {}
     for c, var in v.seg.items():
         if solver.boolean_value(var):
             plan[c] = frozenset(i for (cc, i), kv in v.keep.items() if cc == c and solver.boolean_value(kv))
     return plan
+
+
+def chosen_variants(solver: cp_model.CpSolver | cp_model.CpSolverSolutionCallback, v: Variables) -> Variants:
+    return frozenset(i for i, var in v.variant.items() if solver.boolean_value(var))

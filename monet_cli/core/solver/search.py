@@ -1,10 +1,11 @@
 """The solve loop: heuristic warm start, CP-SAT, and the simulator as the final judge.
 
 CP-SAT optimises the linear memory model, whose rows are added lazily: it starts from the
-rows where the step's memory is highest, and each answer is simulated. Rows the answer
-violates join the model (the most violated first), and where the simulator finds a point
-over budget that the linear model missed (segments interacting), that point's row gets
-the missing bytes as a cut; then CP-SAT runs again, warm-started. The optimum of a model
+rows where the step's memory is highest, and each incumbent is simulated as CP-SAT finds
+it. The search stops at the first one over budget: rows it violates join the model (the
+most violated first), and where the simulator finds a point over budget that the linear
+model missed (segments interacting), that point's row gets the missing bytes as a cut;
+then CP-SAT runs again, warm-started from the last incumbent that fit. The optimum of a model
 with fewer rows is a lower bound, so an answer that the simulator accepts is optimal
 when CP-SAT proved it optimal for the rows it had. A plan is only ever returned when the
 simulator says it fits.
@@ -137,17 +138,26 @@ class Planner:
                 on_incumbent=lambda obj, bnd, t: report(
                     f"incumbent {obj / 1000:.3f} ms added, bound {bnd / 1000:.3f} ms, {t:.1f}s"
                 ),
+                accept=lambda plan, variants: self._peak(plan, variants) <= budget_bytes,
             )
             status = cp_result.status
-            if cp_result.plan is None:
-                break
-            result = simulate(self.profile, cp_result.plan, model=self.model, variants=cp_result.variants)
-            if result.peak_bytes <= budget_bytes:
-                objective, bound = cp_result.objective, cp_result.bound
-                best = (cp_result.plan, cp_result.variants, result)
-                break
-            added = self._violated_rows(rows, cp_result.plan, cp_result.variants, budget_bytes)
-            report(f"round {rounds}: simulated peak {result.peak_bytes} over budget; {len(added)} more rows")
+            if cp_result.refused is None:
+                if cp_result.plan is None:
+                    break
+                result = simulate(self.profile, cp_result.plan, model=self.model, variants=cp_result.variants)
+                if result.peak_bytes <= budget_bytes:
+                    objective, bound = cp_result.objective, cp_result.bound
+                    best = (cp_result.plan, cp_result.variants, result)
+                    break
+                over = (cp_result.plan, cp_result.variants)
+            else:
+                over = cp_result.refused
+                if cp_result.plan is not None:  # the last incumbent that fit starts the next round
+                    hint = (cp_result.plan, cp_result.variants)
+            added = self._violated_rows(rows, *over, budget_bytes)
+            report(
+                f"round {rounds}: an answer's simulated peak {self._peak(*over)} over budget; {len(added)} more rows"
+            )
             status = "UNKNOWN"
             if not added:
                 break

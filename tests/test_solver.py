@@ -437,6 +437,47 @@ def test_the_solve_loop_proves_no_answer_the_simulator_refuses(monkeypatch):
     assert proven and all(planner._peak(answer.plan, answer.variants) <= budget for answer in proven)
 
 
+def test_a_solve_out_of_time_after_a_refusal_keeps_the_fastest_incumbent_that_fit(enumerable, monkeypatch):
+    """CP-SAT's incumbents that fit are plans too: when the time runs out after a round that
+    stopped at a refused one, the faster of the warm start and the last that fit is returned,
+    labelled as unproven, instead of dropping back to the warm start."""
+    from monet_cli.core.solver import search
+    from monet_cli.core.solver.cpsat import CpResult
+    from monet_cli.core.solver.heuristics import best_heuristic
+
+    profile, model, scored = enumerable
+    planner = Planner(model)
+
+    def fastest(budget):
+        return min((r.added_ms, i) for i, (r, _) in enumerate(scored) if r.peak_bytes <= budget)
+
+    def warm_start_ms(budget):
+        _, plan, fits = best_heuristic(planner.linear, budget)
+        return simulate(profile, plan, model=model).added_ms if fits else float("inf")
+
+    budget = next(  # a budget the warm start meets more slowly than the fastest plan
+        r.peak_bytes for r, _ in scored if warm_start_ms(r.peak_bytes) > fastest(r.peak_bytes)[0] + 0.01
+    )
+    incumbent = scored[fastest(budget)[1]][1]
+    rounds = iter(
+        [
+            CpResult(
+                status="FEASIBLE",
+                plan=incumbent,
+                objective=0.0,
+                bound=None,
+                wall_s=0.0,
+                refused=({}, frozenset()),  # the unscheduled step: over every budget below its peak
+            ),
+            CpResult(status="UNKNOWN", plan=None, objective=None, bound=None, wall_s=0.0),  # out of time
+        ]
+    )
+    monkeypatch.setattr(search, "solve_model", lambda cp, variables, **kwargs: next(rounds))
+    outcome = planner.solve(budget, time_limit_s=10, workers=1, seed=0)
+    assert outcome.plan == incumbent and outcome.result.peak_bytes <= budget
+    assert (outcome.status, outcome.method, outcome.bound_ms) == ("FEASIBLE", "cp-sat", None)
+
+
 def test_what_the_step_pays_once_for_checkpointing_is_priced_once(enumerable):
     """``first_frame_ms`` is added once to any schedule with a segment, never to the empty
     one: in the simulator, in the solver's objective (which still finds the enumerated best)

@@ -120,6 +120,7 @@ class Planner:
             if result.peak_bytes <= budget_bytes:
                 return self._outcome({}, result, "OPTIMAL", "no-checkpointing", 0.0, 0.0, start, 0)
         name, best, hint = self._warm_start(budget_bytes, hint, time_limit_s / 2, workers, seed, report)
+        unproven = f"heuristic ({name})"  # how the plan in best was found, while nothing is proven
         rows = self._highest_rows()
         status, objective, bound, rounds = "UNKNOWN", None, None, 0
         for rounds in range(1, MAX_ROUNDS + 1):
@@ -154,6 +155,7 @@ class Planner:
                 over = cp_result.refused
                 if cp_result.plan is not None:  # the last incumbent that fit starts the next round
                     hint = (cp_result.plan, cp_result.variants)
+                    unproven, best = self._better(budget_bytes, "cp-sat", hint, unproven, best)
             added = self._violated_rows(rows, *over, budget_bytes)
             report(
                 f"round {rounds}: an answer's simulated peak {self._peak(*over)} over budget; {len(added)} more rows"
@@ -167,10 +169,8 @@ class Planner:
                 None, None, "INFEASIBLE" if status == "INFEASIBLE" else "UNKNOWN", "cp-sat", None, None, start, rounds
             )
         plan, variants, result = best
-        if objective is None:  # CP-SAT did not confirm: keep the warm start, honestly labelled
-            return self._outcome(
-                plan, result, "FEASIBLE", f"heuristic ({name})", result.added_ms, None, start, rounds, variants
-            )
+        if objective is None:  # nothing proven: the fastest plan that fit, labelled with how it was found
+            return self._outcome(plan, result, "FEASIBLE", unproven, result.added_ms, None, start, rounds, variants)
         return self._outcome(plan, result, status, "cp-sat", objective / 1000, bound / 1000, start, rounds, variants)
 
     def _warm_start(

@@ -157,9 +157,8 @@ class Planner:
                     hint = (cp_result.plan, cp_result.variants)
                     unproven, best = self._better(budget_bytes, "cp-sat", hint, unproven, best)
             added = self._violated_rows(rows, *over, budget_bytes)
-            report(
-                f"round {rounds}: an answer's simulated peak {self._peak(*over)} over budget; {len(added)} more rows"
-            )
+            peak = format_bytes(self._peak(*over))
+            report(f"round {rounds}: an answer's simulated peak {peak} is over budget; {len(added)} more rows")
             status = "UNKNOWN"
             if not added:
                 break

@@ -419,14 +419,14 @@ def test_the_solve_loop_proves_no_answer_the_simulator_refuses(monkeypatch):
     budget = profile.baseline.peak_bytes // 2
     monkeypatch.setattr(search, "LAZY_ROWS", 8)  # few rows at first, so rounds must add some
     answers = []
+    solve_model = search.solve_model
 
     def recorded(cp, variables, **kwargs):
-        answer = search_solve_model(cp, variables, **kwargs)
+        answer = solve_model(cp, variables, **kwargs)
         if "accept" in kwargs:  # the budget's rounds, not the smallest peak's search
             answers.append(answer)
         return answer
 
-    search_solve_model = search.solve_model
     monkeypatch.setattr(search, "solve_model", recorded)
     outcome = planner.solve(budget, time_limit_s=30, workers=1, seed=0)
     assert outcome.status == "OPTIMAL" and outcome.method == "cp-sat" and outcome.result.peak_bytes <= budget
@@ -451,12 +451,14 @@ def test_a_solve_out_of_time_after_a_refusal_keeps_the_fastest_incumbent_that_fi
     def fastest(budget):
         return min((r.added_ms, i) for i, (r, _) in enumerate(scored) if r.peak_bytes <= budget)
 
-    def warm_start_ms(budget):
+    def heuristic_ms(budget):  # None where no heuristic plan fits (the warm start would search)
         _, plan, fits = best_heuristic(planner.linear, budget)
-        return simulate(profile, plan, model=model).added_ms if fits else float("inf")
+        return simulate(profile, plan, model=model).added_ms if fits else None
 
-    budget = next(  # a budget the warm start meets more slowly than the fastest plan
-        r.peak_bytes for r, _ in scored if warm_start_ms(r.peak_bytes) > fastest(r.peak_bytes)[0] + 0.01
+    budget = next(  # a budget the heuristic warm start meets more slowly than the fastest plan
+        r.peak_bytes
+        for r, _ in scored
+        if (ms := heuristic_ms(r.peak_bytes)) is not None and ms > fastest(r.peak_bytes)[0] + 0.01
     )
     incumbent = scored[fastest(budget)[1]][1]
     rounds = iter(

@@ -115,7 +115,7 @@ def existing_checkpointing(model: nn.Module) -> str | None:
     for name, module in model.named_modules():
         # Both libraries set their flag as a plain attribute. vars() reads it without getattr's
         # default, which costs an AttributeError inside nn.Module.__getattr__ per module, and
-        # this runs on every training forward (resnet50: 540 us a forward with getattr, 140 with vars()).
+        # this runs on every training forward (resnet50, timed in alternation: 471 us with getattr, 127 with vars()).
         flags = vars(module)
         if flags.get("gradient_checkpointing") is True:
             return (

@@ -33,7 +33,6 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from monet_cli.core.allocator import expandable_segments  # noqa: E402
 from monet_cli.core.yamlio import atomic_write_text  # noqa: E402
 from monet_cli.errors import EXIT_DEVICE  # noqa: E402
 from monet_cli.runtime.meter import alloc_conf  # noqa: E402
@@ -79,7 +78,7 @@ def run_workload(name: str, device: torch.device, *, workers: int = 2, save: Pat
     from monet_cli.core.profile import save_profile
     from monet_cli.core.schedule import save_schedule
     from monet_cli.core.segments import SegmentModel
-    from monet_cli.core.simulate import allocator_peak_bytes, simulate
+    from monet_cli.core.simulate import simulate
     from monet_cli.core.solver.search import Planner
     from monet_cli.profiler.run import profile_model
     from monet_cli.runtime.compare import run_apply
@@ -87,10 +86,10 @@ def run_workload(name: str, device: torch.device, *, workers: int = 2, save: Pat
     start = time.perf_counter()
     profile = profile_model(_spec(name), device, steps=3)
     profile_s = time.perf_counter() - start
+    baseline = simulate(profile, {})
     if save is not None:
         save_profile(profile, save / f"{name}.profile.yaml")
     planner = Planner(SegmentModel(profile))
-    expandable = expandable_segments(alloc_conf())
     lowest = planner.minimum_peak(time_limit_s=TIME_LIMIT_S, workers=workers, seed=0)
     runs = []
     for label, budget in case_budgets(profile.baseline.peak_bytes, lowest.peak_bytes).items():
@@ -118,9 +117,7 @@ def run_workload(name: str, device: torch.device, *, workers: int = 2, save: Pat
                 "solver_status": outcome.status,
                 "solve_s": outcome.time_s,
                 "predicted_peak_bytes": report.predicted_peak_bytes,
-                "replayed_peak_bytes": allocator_peak_bytes(
-                    planner.model, outcome.plan, outcome.variants, expandable_segments=expandable
-                ),
+                "requested_peak_bytes": outcome.result.requested_peak_bytes,
                 "measured_peak_bytes": report.measured_peak_bytes,
                 "baseline_peak_bytes": report.baseline_peak_bytes,
                 "error": report.prediction_error,
@@ -141,8 +138,8 @@ def run_workload(name: str, device: torch.device, *, workers: int = 2, save: Pat
         "forward_ops": len(profile.ops),
         "profile_s": round(profile_s, 1),
         "baseline_peak_bytes": profile.baseline.peak_bytes,
-        "simulated_baseline_bytes": simulate(profile, {}).peak_bytes,
-        "replayed_baseline_bytes": allocator_peak_bytes(planner.model, {}, expandable_segments=expandable),
+        "simulated_baseline_bytes": baseline.peak_bytes,
+        "requested_baseline_bytes": baseline.requested_peak_bytes,
         "floor_bytes": lowest.peak_bytes,
         "op_ms_sum": round(sum(o.time_ms for o in profile.ops) + sum(o.time_ms for o in profile.backward), 2),
         "baseline_step_ms": profile.baseline.step_ms,
@@ -176,11 +173,12 @@ def render(summary: dict) -> str:
         "",
         f"Written by `make gpu-check` on {summary['date']}: {summary['device']}, torch {summary['torch']} "
         f"(CUDA {summary['cuda']}), Python {summary['python']}, PYTORCH_CUDA_ALLOC_CONF "
-        f"'{summary['alloc_conf']}'. Measured on that machine, except 'predicted' (the simulator's sum of the "
-        "requests) and 'replayed' (the caching allocator's blocks replayed for the same events), both "
-        "computed from its profiles. 'unmodified': the model without the schedule, measured beside it.",
+        f"'{summary['alloc_conf']}'. Measured on that machine, except 'predicted' (the simulator's peak: the "
+        "caching allocator's blocks replayed for the step's events, or the requests' sum where every block is "
+        "split) and 'requests' (the sum of the requests), both computed from its profiles. 'unmodified': the "
+        "model without the schedule, measured beside it.",
         "",
-        "| workload | budget | predicted | replayed | measured | error | within | unmodified | overhead pred / meas "
+        "| workload | budget | predicted | requests | measured | error | within | unmodified | overhead pred / meas "
         "| gradients |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
@@ -193,7 +191,7 @@ def render(summary: dict) -> str:
             lines.append(
                 f"| {w['workload']} ({w['precision']}, batch {w['batch_size']}) | {r['budget']} "
                 f"({r['budget_bytes'] / 2**20:.1f} MiB) | {r['predicted_peak_bytes'] / 2**20:.2f} MiB | "
-                f"{r['replayed_peak_bytes'] / 2**20:.2f} MiB | "
+                f"{r['requested_peak_bytes'] / 2**20:.2f} MiB | "
                 f"{r['measured_peak_bytes'] / 2**20:.2f} MiB | {100 * r['error']:+.2f}% | {r['within_budget']} | "
                 f"{r['baseline_peak_bytes'] / 2**20:.2f} MiB | "
                 f"{100 * r['predicted_overhead']:+.1f}% / {measured} | {'ok' if r['grads_ok'] else 'DIFFER'}: "
@@ -201,7 +199,7 @@ def render(summary: dict) -> str:
             )
     lines += [
         "",
-        "| workload | baseline measured | simulated | replayed | smallest peak | op times summed / step "
+        "| workload | baseline measured | simulated | requests | smallest peak | op times summed / step "
         "| ops with workspace |",
         "|---|---|---|---|---|---|---|",
     ]
@@ -209,7 +207,7 @@ def render(summary: dict) -> str:
         if "error" not in w:
             lines.append(
                 f"| {w['workload']} | {w['baseline_peak_bytes'] / 2**20:.2f} MiB | "
-                f"{w['simulated_baseline_bytes'] / 2**20:.2f} MiB | {w['replayed_baseline_bytes'] / 2**20:.2f} MiB | "
+                f"{w['simulated_baseline_bytes'] / 2**20:.2f} MiB | {w['requested_baseline_bytes'] / 2**20:.2f} MiB | "
                 f"{w['floor_bytes'] / 2**20:.2f} MiB | "
                 f"{w['op_ms_sum']:.1f} / {w['baseline_step_ms']:.1f} ms | {w['workspace_ops']} |"
             )

@@ -35,6 +35,16 @@ def test_profile_file_round_trips(resnet18_profile, tmp_path):
     assert dump_profile(loaded) == path.read_text()
 
 
+def test_the_allocator_settings_are_kept_where_set(resnet18_profile, tmp_path):
+    """A CUDA profile keeps the allocator settings it was made under; a CPU profile says nothing."""
+    assert "alloc_conf" not in dump_profile(resnet18_profile)
+    device = dataclasses.replace(resnet18_profile.device, type="cuda", alloc_conf="expandable_segments:True")
+    path = tmp_path / "cuda.profile.yaml"
+    save_profile(dataclasses.replace(resnet18_profile, device=device), path)
+    assert "alloc_conf: expandable_segments:True" in path.read_text()
+    assert load_profile(path).device == device
+
+
 def test_profile_keys_and_types(resnet18_profile, tmp_path):
     path = tmp_path / "p.yaml"
     save_profile(resnet18_profile, path)

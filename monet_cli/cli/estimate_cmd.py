@@ -14,8 +14,9 @@ from monet_cli.core.yamlio import load_yaml_file
 from monet_cli.errors import OverBudgetError, UsageError
 
 ASSUMPTIONS = (
-    "peaks are measured on the profiled device: live tensor storages on CPU, the caching allocator on CUDA; "
-    "not included: the CUDA context, cuDNN/cuBLAS workspaces, allocator fragmentation, other processes"
+    "peaks are measured on the profiled device: live tensor storages on CPU; on CUDA the caching allocator's "
+    "blocks, op workspaces included, replayed for a schedule with the profile's allocator settings; "
+    "not included: the CUDA context, what the allocator reserves beyond its blocks, other processes"
 )
 SHARDING = (
     "the profile describes one unsharded process; under FSDP2 each rank holds its share of parameters, "

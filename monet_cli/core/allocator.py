@@ -7,12 +7,12 @@ of N equal steps between two powers of two instead. A CUDA profile records each 
 at its block size so that the simulator adds up what the allocator counts. A zero-byte
 request takes no block.
 
-What the simulator does not count, because it depends on the allocator's history rather than
-on the request: a large block reused for a smaller request is not split when 1 MiB or less
-would remain, and then counts whole. ``CachingAllocator`` replays those blocks for a step's
-events (``simulate.allocator_peak_bytes``): on an H200 profile of resnet50 it finds 16 of
-the 18 MiB by which the measured peak exceeds the requests' sum. The solver does not plan
-with it (yet).
+What no sum of requests counts, because it depends on the allocator's history: a large block
+reused for a smaller request is not split when 1 MiB or less would remain, and then counts
+whole. ``CachingAllocator`` replays those blocks for a step's events: on an H200 profile of
+resnet50 it finds 16 of the 18 MiB by which the measured peak exceeds the requests' sum.
+Where the profile's allocator leaves blocks unsplit (``leaves_blocks_unsplit``), the
+simulator's peak is the replay's, so the solver plans with it.
 """
 
 from __future__ import annotations
@@ -75,6 +75,13 @@ def expandable_segments(alloc_conf: str) -> bool:
     return (_setting(alloc_conf, "expandable_segments") or "").lower() == "true"
 
 
+def leaves_blocks_unsplit(alloc_conf: str) -> bool:
+    """Whether the allocator these settings give may count a block beyond its request (the
+    native one without expandable segments); ``cudaMallocAsync`` is not modelled, and its
+    peak is taken as the requests' sum."""
+    return not expandable_segments(alloc_conf) and _setting(alloc_conf, "backend") != "cudaMallocAsync"
+
+
 # -- the allocator's blocks ------------------------------------------------------------------
 
 SMALL_REQUEST_BYTES = 1 << 20
@@ -107,12 +114,12 @@ class CachingAllocator:
     equals), else a new segment: 2 MiB for small requests, 20 MiB for large ones under
     10 MiB, the request rounded up to 2 MiB above. The block is split unless too little would
     remain: under 512 bytes in the small pool, 1 MiB or less in the large pool (with
-    ``expandable_segments`` every block is split as in the small pool). An unsplit block
-    counts whole in ``allocated_bytes``, which is why the allocator's peak can exceed the sum
-    of the requests. A freed block merges with free neighbours of its segment."""
+    ``expandable_segments`` every block is split as in the small pool, so the peak is the
+    requests' sum: ``leaves_blocks_unsplit``). An unsplit block counts whole in
+    ``allocated_bytes``, which is why the allocator's peak can exceed the sum of the requests.
+    A freed block merges with free neighbours of its segment."""
 
-    def __init__(self, *, expandable_segments: bool = False) -> None:
-        self.expandable_segments = expandable_segments
+    def __init__(self) -> None:
         self.allocated_bytes = 0
         self.peak_bytes = 0
         self._pools: dict[bool, list[tuple[int, int, _Block]]] = {True: [], False: []}
@@ -125,7 +132,7 @@ class CachingAllocator:
         index = bisect.bisect_left(pool, (nbytes, -1))
         block = pool.pop(index)[2] if index < len(pool) else self._segment(nbytes, small)
         remaining = block.size - nbytes
-        if (remaining >= MIN_BLOCK_BYTES) if small or self.expandable_segments else remaining > SMALL_REQUEST_BYTES:
+        if (remaining >= MIN_BLOCK_BYTES) if small else remaining > SMALL_REQUEST_BYTES:
             self._split(block, nbytes)
         block.free = False
         self.allocated_bytes += block.size
@@ -180,14 +187,13 @@ def allocator_peak(
     spans: Sequence[tuple[tuple[int, ...], tuple[int, ...], int]],
     *,
     resident: Sequence[int],
-    expandable_segments: bool = False,
 ) -> int:
     """The allocator's peak in the second of two identical steps (the first leaves the cache
     as a warm-up step leaves it for a measured one): ``spans`` are each storage's (alloc key,
     free key, bytes) in a step, ``resident`` the indices of those made before the first step
     and kept after the last (parameters, optimizer state, inputs, what the allocator held
     beyond tensors)."""
-    allocator = CachingAllocator(expandable_segments=expandable_segments)
+    allocator = CachingAllocator()
     kept = set(resident)
     # Their blocks are counted as the profile measured them (the bytes the allocator held
     # beyond the tensors are one of them): whatever segments they sit in are full.

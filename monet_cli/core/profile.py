@@ -71,6 +71,10 @@ class DeviceInfo:
     type: str
     name: str
     total_memory_bytes: int
+    alloc_conf: str = ""
+    """CUDA: the caching allocator's settings while profiling (``PYTORCH_CUDA_ALLOC_CONF``;
+    empty: PyTorch's defaults). They decide how the allocator counts a step's blocks
+    (``core.allocator``)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -373,7 +377,9 @@ class Profile:
 
 
 # Written only where measured (CUDA), so CPU profiles do not repeat a zero on every op.
-OMITTED_WHEN_DEFAULT = frozenset({"OpRecord.workspace_bytes", "BackwardOp.workspace_bytes", "Profile.transfer"})
+OMITTED_WHEN_DEFAULT = frozenset(
+    {"OpRecord.workspace_bytes", "BackwardOp.workspace_bytes", "Profile.transfer", "DeviceInfo.alloc_conf"}
+)
 
 
 def dump_profile(profile: Profile) -> str:

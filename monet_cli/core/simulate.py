@@ -38,7 +38,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from itertools import combinations
 
-from monet_cli.core.allocator import allocator_peak
+from monet_cli.core.allocator import allocator_peak, leaves_blocks_unsplit
 from monet_cli.core.profile import Profile, StorageRecord
 from monet_cli.core.segments import NEST_LEVELS, Frame, SegmentModel
 from monet_cli.core.variants import with_variants
@@ -58,6 +58,10 @@ WORKSPACE = -1
 @dataclass(frozen=True, kw_only=True, slots=True)
 class SimResult:
     peak_bytes: int
+    """What the device's meter counts at the peak: the requests' sum, or on a CUDA profile whose
+    allocator leaves blocks unsplit, the allocator's replayed blocks (``core.allocator``)."""
+    requested_peak_bytes: int
+    """The peak of the requests' sum, at ``peak_pos`` (what the linear memory model adds up)."""
     peak_pos: int
     step_ms: float
     recompute_ms: float
@@ -168,6 +172,9 @@ def simulate(
 ) -> SimResult:
     model = model or SegmentModel(profile)
     events = _events(model, plan, variants)
+    counted = None
+    if profile.device.type == "cuda" and leaves_blocks_unsplit(profile.device.alloc_conf):
+        counted = _replayed_peak(events)  # before the sweep sorts the events
     peak, peak_key, points = _sweep(events.items, timeline)
     frames = events.frames
     recompute_ms = sum((model.recompute_ms(call, kept, frames[call]) for call, kept in plan.items()), 0.0)
@@ -175,7 +182,8 @@ def simulate(
     added_ms += profile.overheads.first_frame_ms if plan else 0.0
     added_ms += sum((model.profile.variants[v].time_ms for v in variants), 0.0)
     return SimResult(
-        peak_bytes=peak,
+        peak_bytes=peak if counted is None else counted,
+        requested_peak_bytes=peak,
         peak_pos=max(peak_key[0], 0),
         step_ms=profile.baseline.step_ms + added_ms,
         recompute_ms=recompute_ms,
@@ -404,17 +412,13 @@ def _events(model: SegmentModel, plan: Plan, variants: Variants = frozenset()) -
     return events
 
 
-def allocator_peak_bytes(
-    model: SegmentModel, plan: Plan, variants: Variants = frozenset(), *, expandable_segments: bool = False
-) -> int:
-    """The peak of ``plan`` on a CUDA profile as PyTorch's caching allocator counts it
-    (``core.allocator``): the same events, with large blocks left unsplit counted whole. A
-    diagnostic beside ``simulate``, whose byte sum the solver plans with."""
-    events = _events(model, plan, variants)
+def _replayed_peak(events: _Events) -> int:
+    """The peak of ``events`` as PyTorch's native caching allocator counts it
+    (``core.allocator``): large blocks left unsplit count whole."""
     spans = [(alloc, free, nbytes) for (alloc, nbytes), (free, _) in zip(events.items[::2], events.items[1::2])]
     after = (events.end, 0)
     resident = [i for i, (alloc, free, _) in enumerate(spans) if alloc == BEFORE_STEP and free == after]
-    return allocator_peak(spans, resident=resident, expandable_segments=expandable_segments)
+    return allocator_peak(spans, resident=resident)
 
 
 def live_at_peak(model: SegmentModel, plan: Plan, variants: Variants = frozenset()) -> list[tuple[int, bool, int]]:

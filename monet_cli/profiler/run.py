@@ -42,7 +42,7 @@ from monet_cli.profiler.transfer import measure_transfer
 from monet_cli.profiler.variants import measure_variants
 from monet_cli.runtime.fingerprint import model_modules_hash, warn_if_untested_torch
 from monet_cli.runtime.host_memory import keep_freed_host_memory
-from monet_cli.runtime.meter import measure_peak
+from monet_cli.runtime.meter import alloc_conf, measure_peak
 from monet_cli.workload.step import Workload, build_workload, configure_cuda, run_checked
 
 Progress = Callable[[str], None]
@@ -408,7 +408,9 @@ def _memory_summary(storages: tuple[StorageRecord, ...], ops: tuple[OpRecord, ..
 def device_info(device: torch.device) -> DeviceInfo:
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
-        return DeviceInfo(type="cuda", name=props.name, total_memory_bytes=int(props.total_memory))
+        return DeviceInfo(
+            type="cuda", name=props.name, total_memory_bytes=int(props.total_memory), alloc_conf=alloc_conf()
+        )
     try:
         total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):

@@ -122,12 +122,15 @@ class Planner:
         name, best, hint = self._warm_start(budget_bytes, hint, time_limit_s / 2, workers, seed, report)
         unproven = f"heuristic ({name})"  # how the plan in best was found, while nothing is proven
         rows = self._highest_rows()
+        # The budget of the linear model, which adds up requests: lowered where the allocator's
+        # unsplit blocks put an answer over the budget (CUDA), so nothing proven is then optimal.
+        linear_budget = budget_bytes
         status, objective, bound, rounds = "UNKNOWN", None, None, 0
         for rounds in range(1, MAX_ROUNDS + 1):
             remaining = time_limit_s - (time.perf_counter() - start)
             if remaining <= 0.05:
                 break
-            cp, variables = build_model(self.model, rows, budget_bytes=budget_bytes, variants=self.offered)
+            cp, variables = build_model(self.model, rows, budget_bytes=linear_budget, variants=self.offered)
             add_hint(cp, self.model, variables, *hint)
             cp_result = solve_model(
                 cp,
@@ -148,6 +151,8 @@ class Planner:
                 result = simulate(self.profile, cp_result.plan, model=self.model, variants=cp_result.variants)
                 if result.peak_bytes <= budget_bytes:
                     objective, bound = cp_result.objective, cp_result.bound
+                    if linear_budget < budget_bytes:
+                        status, bound = "FEASIBLE", None
                     best = (cp_result.plan, cp_result.variants, result)
                     break
                 over = (cp_result.plan, cp_result.variants)
@@ -156,13 +161,18 @@ class Planner:
                 if cp_result.plan is not None:  # the last incumbent that fit starts the next round
                     hint = (cp_result.plan, cp_result.variants)
                     unproven, best = self._better(budget_bytes, "cp-sat", hint, unproven, best)
-            added = self._violated_rows(rows, *over, budget_bytes)
-            peak = format_bytes(self._peak(*over))
-            report(f"round {rounds}: an answer's simulated peak {peak} is over budget; {len(added)} more rows")
+            refused = simulate(self.profile, over[0], model=self.model, variants=over[1])
+            lowered = self._lowered_budget(budget_bytes, linear_budget, refused)
+            added = self._violated_rows(rows, *over, lowered)
+            report(
+                f"round {rounds}: an answer's simulated peak {format_bytes(refused.peak_bytes)} is over budget; "
+                f"{len(added)} more rows"
+                + (f", requests planned within {format_bytes(lowered)}" if lowered < linear_budget else "")
+            )
             status = "UNKNOWN"
-            if not added:
+            if not added and lowered == linear_budget:
                 break
-            rows = rows + added
+            rows, linear_budget = rows + added, lowered
         if best is None:
             return self._outcome(
                 None, None, "INFEASIBLE" if status == "INFEASIBLE" else "UNKNOWN", "cp-sat", None, None, start, rounds
@@ -170,7 +180,8 @@ class Planner:
         plan, variants, result = best
         if objective is None:  # nothing proven: the fastest plan that fit, labelled with how it was found
             return self._outcome(plan, result, "FEASIBLE", unproven, result.added_ms, None, start, rounds, variants)
-        return self._outcome(plan, result, status, "cp-sat", objective / 1000, bound / 1000, start, rounds, variants)
+        bound_ms = None if bound is None else bound / 1000
+        return self._outcome(plan, result, status, "cp-sat", objective / 1000, bound_ms, start, rounds, variants)
 
     def _warm_start(
         self, budget_bytes: int, hint: Hint | None, search_s: float, workers: int, seed: int, report: Report
@@ -206,6 +217,15 @@ class Planner:
         if hinted.peak_bytes <= budget_bytes and (best is None or hinted.step_ms < best[2].step_ms):
             return name, (plan, variants, hinted)
         return best_name, best
+
+    @staticmethod
+    def _lowered_budget(budget_bytes: int, linear_budget: int, refused: SimResult) -> int:
+        """The linear model's budget after ``refused``: where its requests fit that budget and
+        only the allocator's unsplit blocks put it over, lowered by what the blocks added (the
+        refused answer then breaks it, and an answer with as much extra fits)."""
+        if refused.requested_peak_bytes > linear_budget:
+            return linear_budget
+        return min(linear_budget, budget_bytes - (refused.peak_bytes - refused.requested_peak_bytes))
 
     def _highest_rows(self) -> list[MemoryRow]:
         """Where the lazy model starts: the rows at the highest memory of the unscheduled step."""

@@ -210,3 +210,17 @@ def test_recompute_bursts_take_workspace_and_the_linear_model_agrees(skip_cnn_pr
     minimum = Planner(model).minimum_peak(time_limit_s=20, workers=1, seed=0)
     assert minimum.peak_bytes == lowest
     assert sum(peak_breakdown(model, minimum.plan).values()) == lowest
+
+
+def test_inspect_takes_a_cuda_profile_whose_schedule_predicted_the_requests_sum():
+    """Schedules solved before the simulator replayed the allocator's blocks predicted the sum."""
+    from monet_cli.cli.inspect_cmd import check_schedule_matches
+    from tests.schedules_for_tests import plan_schedule
+
+    profile = load_profile(H200_RESNET50)
+    schedule = plan_schedule(profile, {})
+    result = simulate(profile, {})
+    for predicted in (result.peak_bytes, result.requested_peak_bytes):
+        check_schedule_matches(replace(schedule, predicted=replace(schedule.predicted, peak_bytes=predicted)), profile)
+    with pytest.raises(UsageError, match="does not reproduce"):
+        check_schedule_matches(replace(schedule, predicted=replace(schedule.predicted, peak_bytes=1)), profile)

@@ -185,5 +185,6 @@ def check_schedule_matches(schedule: Schedule, profile: Profile) -> None:
         raise UsageError("--profile: that profile was made for another model or shape than the schedule")
     model = SegmentModel(profile)
     result = simulate(profile, plan_of(schedule, model), model=model, variants=variants_of(schedule, profile))
-    if result.peak_bytes != schedule.predicted.peak_bytes:
+    # A CUDA schedule solved before the simulator replayed the allocator's blocks predicted their sum.
+    if schedule.predicted.peak_bytes not in (result.peak_bytes, result.requested_peak_bytes):
         raise UsageError("--profile: that profile does not reproduce the schedule's predicted peak (another run)")

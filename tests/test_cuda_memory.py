@@ -110,6 +110,9 @@ def test_the_simulator_counts_the_allocator_s_blocks_on_a_cuda_profile():
     simulated = simulate(profile, {})
     assert measured - simulated.requested_peak_bytes > 18 * MiB
     assert 0 <= measured - simulated.peak_bytes < 2 * MiB
+    breakdown = peak_breakdown(SegmentModel(profile), {})
+    assert breakdown["unsplit"] == simulated.peak_bytes - simulated.requested_peak_bytes
+    assert sum(breakdown.values()) == simulated.peak_bytes
     assert simulate(_every_block_split(profile), {}).peak_bytes == simulated.requested_peak_bytes
 
 

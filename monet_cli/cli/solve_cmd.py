@@ -110,6 +110,7 @@ _KIND_NAMES = {
     "input": "inputs",
     "buffer": "buffers",
     "workspace": "op workspaces (CUDA)",
+    "unsplit": "allocator blocks beyond their requests (CUDA)",
 }
 
 

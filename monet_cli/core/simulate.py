@@ -434,12 +434,16 @@ def live_at_peak(model: SegmentModel, plan: Plan, variants: Variants = frozenset
 
 
 def peak_breakdown(model: SegmentModel, plan: Plan, variants: Variants = frozenset()) -> dict[str, int]:
-    """Live bytes per storage kind at the simulated peak of ``plan``."""
+    """Live bytes per storage kind at the simulated peak of ``plan``; on CUDA, ``unsplit`` is what
+    the allocator's blocks add at their own peak, so that the kinds add up to the peak."""
     storages = model.with_variants(frozenset(variants)).profile.storages
     totals: dict[str, int] = {}
     for sid, copy, nbytes in live_at_peak(model, plan, variants):
         kind = "workspace" if sid == WORKSPACE else "recomputed" if copy else storages[sid].kind
         totals[kind] = totals.get(kind, 0) + nbytes
+    result = simulate(model.profile, plan, model=model, variants=variants)
+    if result.peak_bytes > result.requested_peak_bytes:
+        totals["unsplit"] = result.peak_bytes - result.requested_peak_bytes
     return dict(sorted(totals.items(), key=lambda kv: -kv[1]))
 
 

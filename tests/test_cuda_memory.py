@@ -227,3 +227,23 @@ def test_inspect_takes_a_cuda_profile_whose_schedule_predicted_the_requests_sum(
         check_schedule_matches(replace(schedule, predicted=replace(schedule.predicted, peak_bytes=predicted)), profile)
     with pytest.raises(UsageError, match="does not reproduce"):
         check_schedule_matches(replace(schedule, predicted=replace(schedule.predicted, peak_bytes=1)), profile)
+
+
+def test_apply_warns_where_the_allocator_counts_blocks_otherwise(monkeypatch):
+    """A CUDA schedule carries its profile's allocator settings; applied under settings that
+    count blocks otherwise (here expandable segments) it warns, under equivalent ones it does not."""
+    import warnings
+
+    from monet_cli.runtime.executor import apply_schedule
+    from tests.schedules_for_tests import plan_schedule
+
+    schedule = plan_schedule(load_profile(H200_RESNET50), {})  # no decisions: any model takes it
+    assert schedule.predicted.alloc_conf == ""
+    for conf, warns in (("expandable_segments:True", True), ("max_split_size_mb:512", False)):
+        monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", conf)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            apply_schedule(torch.nn.Linear(2, 2), schedule, check_fingerprint=False)
+        assert any("counts blocks otherwise" in str(w.message) for w in caught) == warns, conf
+    split = _every_block_split(load_profile(H200_RESNET50))
+    assert plan_schedule(split, {}).predicted.alloc_conf == "expandable_segments:True"

@@ -75,6 +75,15 @@ def expandable_segments(alloc_conf: str) -> bool:
     return (_setting(alloc_conf, "expandable_segments") or "").lower() == "true"
 
 
+def same_counting(alloc_conf: str, other: str) -> bool:
+    """Whether two ``PYTORCH_CUDA_ALLOC_CONF`` values size and count blocks alike, as far as monet
+    models it: rounding and whether blocks stay unsplit."""
+    return all(
+        rule(alloc_conf) == rule(other)
+        for rule in (leaves_blocks_unsplit, lambda conf: _setting(conf, "roundup_power2_divisions"))
+    )
+
+
 def leaves_blocks_unsplit(alloc_conf: str) -> bool:
     """Whether the allocator these settings give may count a block beyond its request (the
     native one without expandable segments); ``cudaMallocAsync`` is not modelled, and its

@@ -134,6 +134,7 @@ def predicted(profile: Profile, result: SimResult) -> Predicted:
         baseline_step_ms=reference,
         preparation_ms=round(base.step_ms - reference, 4),
         peak_pos=result.peak_pos,
+        alloc_conf=profile.device.alloc_conf,
     )
 
 

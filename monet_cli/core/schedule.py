@@ -143,6 +143,9 @@ class Predicted:
     """What every schedule's preparation of the model adds to the step (in-place activations
     run out of place), measured by the profile: step_ms is the baseline, this, and the
     decisions' time. Schedules made before it was measured say 0."""
+    alloc_conf: str = ""
+    """CUDA: the caching allocator's settings the peak was predicted for (the profile's,
+    ``DeviceInfo.alloc_conf``); ``apply`` warns in a process with other settings."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -248,9 +251,11 @@ OMITTED_WHEN_DEFAULT = frozenset(
         "SegmentDecision.closes_at_call",
         "SegmentDecision.skip",
         "SegmentDecision.own_ops",
+        "Predicted.alloc_conf",
     }
 )
-"""An op range's fields: the lines of other segments leave them out of the file."""
+"""An op range's fields (the lines of other segments leave them out of the file) and the CUDA
+allocator settings (CPU schedules and PyTorch's defaults leave them out)."""
 
 # Optional keys added after the hash's payload was fixed: they enter it only when set, so
 # schedules written before them keep their hash.

@@ -31,11 +31,12 @@ from torch.utils.checkpoint import (
     noop_context_fn,
 )
 
+from monet_cli.core.allocator import same_counting
 from monet_cli.core.schedule import Schedule, load_schedule
 from monet_cli.errors import CheckpointConflictError, FingerprintError
 from monet_cli.runtime.fingerprint import FirstForwardCheck, warn_if_untested_torch
 from monet_cli.runtime.frames import abandon_frame, close_frame, open_frame
-from monet_cli.runtime.meter import MachineryMarker
+from monet_cli.runtime.meter import MachineryMarker, alloc_conf
 from monet_cli.runtime.offload import install_offloads
 from monet_cli.runtime.ranges import RangeSegment
 from monet_cli.runtime.variants import install_variants
@@ -52,6 +53,7 @@ def apply_schedule(model: nn.Module, schedule: Schedule | str | Path, *, check_f
     if getattr(model, _APPLIED, None) is not None:
         raise FingerprintError("a monet schedule is already applied to this model")
     warn_if_untested_torch()
+    _warn_if_other_allocator(schedule)
     refuse_existing_checkpointing(model)
     model.register_forward_pre_hook(_refuse_on_training_forward)
     if turn_off_kv_cache(model):
@@ -88,6 +90,19 @@ def apply_schedule(model: nn.Module, schedule: Schedule | str | Path, *, check_f
     setattr(model, _APPLIED, schedule)
     setattr(model, _MACHINERY, marker)
     return model
+
+
+def _warn_if_other_allocator(schedule: Schedule) -> None:
+    """A CUDA schedule applied where the allocator counts blocks otherwise than where it was
+    predicted runs, with a warning: its peak may differ from the prediction."""
+    expected, found = schedule.predicted.alloc_conf, alloc_conf()
+    if schedule.fingerprint.device_type == "cuda" and not same_counting(expected, found):
+        warnings.warn(
+            f"monet: this schedule's peak was predicted with PYTORCH_CUDA_ALLOC_CONF '{expected}' (its "
+            f"profile's); this process has '{found}', whose allocator counts blocks otherwise: the peak "
+            "may differ from the prediction",
+            stacklevel=3,
+        )
 
 
 def _module(modules: dict[str, nn.Module], path: str) -> nn.Module:

@@ -163,17 +163,8 @@ def measure(name: str, time_limit_s: float, workers: int) -> dict:
                 "activation_ratio": (base - fixed) / (floor.peak_bytes - fixed),
             }
         )
-    info = SolverInfo(
-        method="minimum-peak",
-        status="n/a",
-        objective=None,
-        bound=None,
-        gap=None,
-        time_s=floors[-1]["solve_s"],
-        workers=workers,
-        seed=0,
-        time_limit_s=time_limit_s,
-        ortools="",
+    info = SolverInfo.not_solved(
+        "minimum-peak", time_s=floors[-1]["solve_s"], workers=workers, time_limit_s=time_limit_s
     )
     schedule = build_schedule(
         profile,

@@ -109,24 +109,12 @@ def measure(name: str, repeats: int) -> dict[str, Any]:
     model = SegmentModel(profile)
     plan = {c: frozenset() for c, seg in model.segments.items() if re.fullmatch(BLOCKS[name], seg.fqn)}
     predicted = simulate(profile, plan, model=model)
-    info = SolverInfo(
-        method="every block",
-        status="n/a",
-        objective=None,
-        bound=None,
-        gap=None,
-        time_s=0.0,
-        workers=1,
-        seed=0,
-        time_limit_s=0.0,
-        ortools="",
-    )
     schedule = build_schedule(
         profile,
         plan,
         budget_bytes=predicted.peak_bytes,
         budget_spec="every block",
-        solver=info,
+        solver=SolverInfo.not_solved("every block"),
         profile_sha256="",
         model=model,
     )

@@ -9,19 +9,7 @@ from monet_cli.core.schedule import Schedule, SolverInfo
 from monet_cli.core.segments import SegmentModel
 from monet_cli.core.simulate import Plan, Variants
 
-INFO = SolverInfo(
-    method="test",
-    status="n/a",
-    objective=None,
-    bound=None,
-    gap=None,
-    time_s=0.0,
-    workers=1,
-    seed=0,
-    time_limit_s=0.0,
-    ortools="",
-)
-"""What a schedule file records of a solve that did not happen."""
+INFO = SolverInfo.not_solved("test")
 
 
 def plan_schedule(

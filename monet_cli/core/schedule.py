@@ -163,6 +163,23 @@ class SolverInfo:
     """The relative gap at which the solver was told to stop (0: run to optimal or the time limit)."""
     ortools: str
 
+    @classmethod
+    def not_solved(cls, method: str, *, time_s: float = 0.0, workers: int = 1, time_limit_s: float = 0.0) -> SolverInfo:
+        """What a schedule records of a plan chosen without a solve for its budget (a hand-made
+        baseline, the plan of the smallest peak): no status, objective or bound."""
+        return cls(
+            method=method,
+            status="n/a",
+            objective=None,
+            bound=None,
+            gap=None,
+            time_s=time_s,
+            workers=workers,
+            seed=0,
+            time_limit_s=time_limit_s,
+            ortools="",
+        )
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class _Header:

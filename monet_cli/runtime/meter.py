@@ -266,6 +266,8 @@ def measure_peak(
     """One step of ``workload`` (grads cleared first) under the device's memory meter;
     ``beside``: another workload alive on the same device, whose tensors are not this step's
     memory; ``machinery``: when checkpoint's bookkeeping runs (no timeline points)."""
+    if workload.device.type == "cuda":
+        _cache_of_own_step(workload, seed)
     if seed is not None:
         torch.manual_seed(seed)
     workload.zero_grad()
@@ -278,3 +280,17 @@ def measure_peak(
         timeline=timeline,
         machinery=machinery,
     )
+
+
+def _cache_of_own_step(workload: Workload, seed: int | None) -> None:
+    """CUDA: which cached block a request gets, and so what the allocator counts, depends on
+    the blocks earlier steps left in its cache. The measured step starts from the cache one
+    step of its own workload leaves, as in training and as the simulator's replay assumes
+    (``core.allocator``), not from another model's: ``apply`` measures the unmodified and the
+    scheduled model in one process, and gpu-check profiles several models in one."""
+    free_unreachable(workload.device)
+    torch.cuda.empty_cache()
+    if seed is not None:
+        torch.manual_seed(seed)
+    workload.zero_grad()
+    workload.step()

@@ -157,6 +157,18 @@ def test_estimate_verdicts(solved):
     assert too_small.exit_code == 7 and "does not fit" in too_small.stderr
 
 
+def test_estimate_says_when_it_cannot_tell():
+    """Where the search for the smallest peak runs out of time above the capacity but its lower
+    bound lies below it, neither verdict holds: exit 4, not 7. (On the H200 resnet50 profile a
+    60 s search finds a 958 MiB schedule, so "does not fit in 1 GiB" would have been wrong.)"""
+    profile = str(Path(__file__).parent / "data" / "h200-resnet50-bf16.profile.yaml")
+    short = monet("estimate", profile, "--fits", "1G", "--time-limit", "1", "--json")
+    assert short.exit_code == 4 and "cannot tell whether it fits in 1.00 GiB" in short.stderr
+    data = json.loads(short.stdout)
+    assert data["verdict"] == "undetermined"
+    assert data["min_peak_lower_bound_bytes"] <= 2**30 < data["min_peak_bytes"]
+
+
 def test_inspect_profile_and_schedule(solved, tmp_path):
     root, schedule = solved
     data = json.loads(monet("inspect", str(root / "configs" / "skip.profile.yaml"), "--json").stdout)

@@ -11,7 +11,7 @@ from monet_cli.core.segments import SegmentModel
 from monet_cli.core.solver.search import Planner
 from monet_cli.core.units import format_bytes, parse_size
 from monet_cli.core.yamlio import load_yaml_file
-from monet_cli.errors import OverBudgetError, UsageError
+from monet_cli.errors import NoSolutionError, OverBudgetError, UsageError
 
 ASSUMPTIONS = (
     "peaks are measured on the profiled device: live tensor storages on CPU; on CUDA the caching allocator's "
@@ -35,10 +35,15 @@ class Estimate:
     saved_activation_bytes: int
     baseline_peak_bytes: int
     min_peak_bytes: int
-    """The smallest peak any schedule reaches (CP-SAT minimising the peak, checked by the simulator)."""
+    """The smallest peak a schedule was found to reach (CP-SAT minimising the peak, checked by
+    the simulator)."""
+    min_peak_lower_bound_bytes: int
+    """No schedule's peak is below this; equal to ``min_peak_bytes`` but for rounding where the
+    search proved its answer the smallest, lower where the time limit came first."""
     capacity_bytes: int | None
     verdict: str | None
-    """fits, fits-with-schedule or does-not-fit (with --fits)."""
+    """fits, fits-with-schedule, does-not-fit or undetermined (with --fits): undetermined when the
+    capacity lies between the lower bound and the smallest peak found."""
     assumptions: str = ASSUMPTIONS
     sharding: str = SHARDING
 
@@ -74,7 +79,7 @@ def _available_host_memory() -> int:
     raise UsageError("--fits auto: cannot read this machine's available memory; give a size such as 8G")
 
 
-def estimate(profile: Profile, source: str, fits: str | None, *, time_limit_s: float = 10.0) -> Estimate:
+def estimate(profile: Profile, source: str, fits: str | None, *, time_limit_s: float) -> Estimate:
     minimum = Planner(SegmentModel(profile)).minimum_peak(time_limit_s=time_limit_s, workers=1, seed=0)
     cap = capacity(fits, profile.device.type) if fits is not None else None
     verdict = None
@@ -83,8 +88,10 @@ def estimate(profile: Profile, source: str, fits: str | None, *, time_limit_s: f
             verdict = "fits"
         elif minimum.peak_bytes <= cap:
             verdict = "fits-with-schedule"
-        else:
+        elif cap < minimum.lower_bound_bytes:
             verdict = "does-not-fit"
+        else:
+            verdict = "undetermined"
     m = profile.memory
     return Estimate(
         source=source,
@@ -94,6 +101,7 @@ def estimate(profile: Profile, source: str, fits: str | None, *, time_limit_s: f
         saved_activation_bytes=m.saved_activation_bytes,
         baseline_peak_bytes=profile.baseline.peak_bytes,
         min_peak_bytes=minimum.peak_bytes,
+        min_peak_lower_bound_bytes=minimum.lower_bound_bytes,
         capacity_bytes=cap,
         verdict=verdict,
     )
@@ -110,12 +118,20 @@ def verdict_line(result: Estimate) -> str | None:
             f"fits in {cap} only with a schedule (baseline {format_bytes(result.baseline_peak_bytes)}, "
             f"smallest reachable {format_bytes(result.min_peak_bytes)}): run monet solve --budget {cap.replace(' ', '')}"
         )
-    return f"does not fit in {cap}: the smallest peak any schedule reaches is {format_bytes(result.min_peak_bytes)}"
+    if result.verdict == "undetermined":
+        return (
+            f"cannot tell whether it fits in {cap}: the smallest peak found in the time limit is "
+            f"{format_bytes(result.min_peak_bytes)}, and none is below {format_bytes(result.min_peak_lower_bound_bytes)}; "
+            "raise --time-limit"
+        )
+    return f"does not fit in {cap}: no schedule's peak is below {format_bytes(result.min_peak_lower_bound_bytes)}"
 
 
 def raise_if_not_fitting(result: Estimate) -> None:
     if result.verdict == "does-not-fit":
         raise OverBudgetError(verdict_line(result) or "does not fit")
+    if result.verdict == "undetermined":
+        raise NoSolutionError(verdict_line(result) or "undetermined")
 
 
 def as_dict(result: Estimate) -> dict[str, Any]:

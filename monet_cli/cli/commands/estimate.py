@@ -25,7 +25,8 @@ HELP = (
     "Without solving: parameters, gradients, optimizer state, activations kept for backward, the baseline "
     "peak and the smallest peak any schedule can reach. MODEL is profiled first (same options as "
     "monet profile); a PROFILE file is read as is. --fits SIZE exits 0 when it fits as it is, 0 with a note "
-    "when it fits only with a schedule, 7 when it cannot fit; --fits auto uses the device's free memory.\n\n"
+    "when it fits only with a schedule, 7 when it cannot fit, 4 when the search for the smallest peak ran out "
+    "of --time-limit before it could tell; --fits auto uses the device's free memory.\n\n"
     "Example:\n\n  monet estimate resnet50 -b 32 -i 3,128,128 --fits 8G\n\n" + EXIT_CODES_HELP
 )
 
@@ -41,6 +42,9 @@ def estimate(
     device: Device = "auto",
     optimizer: OptimizerName = None,
     precision: PrecisionOption = None,
+    time_limit: Annotated[
+        float, typer.Option("--time-limit", help="Seconds for the search for the smallest peak.")
+    ] = 10.0,
     json_output: JsonOutput = False,
 ) -> None:
     from monet_cli.cli import estimate_cmd
@@ -73,12 +77,12 @@ def estimate(
                     precision=precision,
                 )
             )
-        result = estimate_cmd.estimate(profile, target, fits)
+        result = estimate_cmd.estimate(profile, target, fits, time_limit_s=time_limit)
         if json_output:
             print_json(estimate_cmd.as_dict(result))
         else:
             print_pairs(f"monet estimate: {profile.model.name}", estimate_cmd.as_dict(result))
         line = estimate_cmd.verdict_line(result)
-        if line and result.verdict != "does-not-fit":
+        if line and result.verdict in ("fits", "fits-with-schedule"):
             stderr.print(line)
         estimate_cmd.raise_if_not_fitting(result)

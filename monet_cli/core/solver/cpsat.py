@@ -18,6 +18,7 @@ Objective: minimise recompute time in microseconds (the predicted overhead), or,
 
 from __future__ import annotations
 
+import math
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -268,6 +269,15 @@ def memory_unit(rows: list[MemoryRow], budget_bytes: int | None) -> int:
     while largest // unit > MAX_ROW_UNITS:
         unit *= 2
     return unit
+
+
+def peak_lower_bound(rows: list[MemoryRow], bound_units: float) -> int:
+    """Bytes below which no plan's peak lies, from CP-SAT's bound on a ``min_peak`` model of
+    ``rows``: rounding up to whole units puts a row at most ``unit - 1`` bytes above its sum for
+    its base and each term, so the bound in bytes comes down by that much."""
+    unit = memory_unit(rows, None)
+    terms = max((sum(map(len, _coefficients(r))) for r in rows), default=0)
+    return max(0, math.ceil(bound_units) * unit - (terms + 1) * (unit - 1))
 
 
 def _coefficients(row: MemoryRow) -> tuple[dict, ...]:

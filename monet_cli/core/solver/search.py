@@ -22,7 +22,7 @@ import numpy as np
 from monet_cli.core.schedule import SolverInfo
 from monet_cli.core.segments import SegmentModel
 from monet_cli.core.simulate import Plan, SimResult, Variants, simulate
-from monet_cli.core.solver.cpsat import MemoryRow, add_hint, build_model, row_at, solve_model
+from monet_cli.core.solver.cpsat import MemoryRow, add_hint, build_model, peak_lower_bound, row_at, solve_model
 from monet_cli.core.solver.heuristics import best_heuristic
 from monet_cli.core.solver.linear import LinearMemory
 from monet_cli.core.units import format_bytes
@@ -55,6 +55,11 @@ class SolveOutcome:
 @dataclass(frozen=True, kw_only=True, slots=True)
 class MinimumPeak:
     peak_bytes: int
+    """The lowest simulated peak found."""
+    lower_bound_bytes: int
+    """No plan's peak is below this: CP-SAT's bound on the lazily built linear model, less what
+    rounding its rows to whole units can add. Near ``peak_bytes`` once the search proved its
+    answer; far below it where the time ran out first."""
     plan: Plan
     variants: Variants
     breakdown: dict[str, int]
@@ -285,6 +290,7 @@ class Planner:
         _, heuristic, _ = best_heuristic(self.linear, 0)
         candidates = [(self._peak(plan, frozenset()), plan, frozenset()) for plan in ({}, heuristic)]
         rows = self._highest_rows()
+        lower_bound = 0
         for _ in range(MAX_ROUNDS):
             remaining = time_limit_s - (time.perf_counter() - start)
             if remaining <= 0.05 or min(peak for peak, _, _ in candidates) <= enough_bytes:
@@ -292,6 +298,8 @@ class Planner:
             cp, variables = build_model(self.model, rows, budget_bytes=None, min_peak=True, variants=self.offered)
             add_hint(cp, self.model, variables, heuristic)
             cp_result = solve_model(cp, variables, time_limit_s=remaining, workers=workers, seed=seed)
+            if cp_result.bound is not None:  # the rows are a subset of the model's: their bound holds
+                lower_bound = max(lower_bound, peak_lower_bound(rows, cp_result.bound))
             if cp_result.plan is None:
                 break
             candidates.append((self._peak(cp_result.plan, cp_result.variants), cp_result.plan, cp_result.variants))
@@ -305,7 +313,13 @@ class Planner:
                 break
             rows = rows + added
         peak, plan, variants = min(candidates, key=lambda candidate: candidate[0])  # the earliest of equals
-        return MinimumPeak(peak_bytes=peak, plan=plan, variants=variants, breakdown=self.breakdown(plan, variants))
+        return MinimumPeak(
+            peak_bytes=peak,
+            lower_bound_bytes=min(lower_bound, peak),
+            plan=plan,
+            variants=variants,
+            breakdown=self.breakdown(plan, variants),
+        )
 
     def _peak(self, plan: Plan, variants: Variants) -> int:
         return simulate(self.profile, plan, model=self.model, variants=variants).peak_bytes

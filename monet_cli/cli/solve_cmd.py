@@ -95,8 +95,8 @@ def _explain_failure(
     minimum = planner.minimum_peak(time_limit_s=min(10.0, time_limit), workers=workers, seed=seed)
     parts = ", ".join(f"{_KIND_NAMES.get(k, k)} {format_bytes(v)}" for k, v in list(minimum.breakdown.items())[:4])
     raise InfeasibleError(
-        f"budget {describe_bytes(budget)} is below the smallest peak monet can reach, "
-        f"{describe_bytes(minimum.peak_bytes)}; at that peak: {parts}"
+        f"budget {describe_bytes(budget)} is below the smallest peak monet can reach; the lowest found "
+        f"is {describe_bytes(minimum.peak_bytes)}, at which: {parts}"
     )
 
 

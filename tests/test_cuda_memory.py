@@ -247,3 +247,35 @@ def test_apply_warns_where_the_allocator_counts_blocks_otherwise(monkeypatch):
         assert any("counts blocks otherwise" in str(w.message) for w in caught) == warns, conf
     split = _every_block_split(load_profile(H200_RESNET50))
     assert plan_schedule(split, {}).predicted.alloc_conf == "expandable_segments:True"
+
+
+def test_no_plan_within_a_lowered_budget_is_not_called_infeasible(monkeypatch):
+    """Once the allocator's blocks lowered the linear model's budget, a round CP-SAT proves
+    infeasible says nothing of the budget itself: the solve ends UNKNOWN (exit 4: raise the time
+    limit), not INFEASIBLE (exit 3: below the smallest peak)."""
+    from monet_cli.core.solver import search
+    from monet_cli.core.solver.cpsat import CpResult
+
+    profile = load_profile(H200_RESNET50)
+    budget = int(profile.baseline.peak_bytes * 0.8)
+    summed = Planner(SegmentModel(_every_block_split(profile))).solve(budget, time_limit_s=60, workers=2, seed=0)
+    planner = Planner(SegmentModel(profile))
+    rounds = iter(
+        [
+            CpResult(
+                status="UNKNOWN",
+                plan=None,
+                objective=None,
+                bound=None,
+                wall_s=0.0,
+                refused=(summed.plan, summed.variants),
+            ),
+            CpResult(status="INFEASIBLE", plan=None, objective=None, bound=None, wall_s=0.0),
+        ]
+    )
+    monkeypatch.setattr(search, "solve_model", lambda cp, variables, **kwargs: next(rounds))
+    monkeypatch.setattr(planner, "_warm_start", lambda *args: ("none", None, ({}, frozenset())))  # nothing fits
+    lowered = []
+    outcome = planner.solve(budget, time_limit_s=60, workers=1, seed=0, report=lowered.append)
+    assert any("requests planned within" in line for line in lowered)
+    assert (outcome.status, outcome.plan) == ("UNKNOWN", None)

@@ -179,8 +179,10 @@ class Planner:
                 break
             rows, linear_budget = rows + added, lowered
         if best is None:
+            # Infeasible within a lowered budget proves nothing about the budget itself.
+            infeasible = status == "INFEASIBLE" and linear_budget == budget_bytes
             return self._outcome(
-                None, None, "INFEASIBLE" if status == "INFEASIBLE" else "UNKNOWN", "cp-sat", None, None, start, rounds
+                None, None, "INFEASIBLE" if infeasible else "UNKNOWN", "cp-sat", None, None, start, rounds
             )
         plan, variants, result = best
         if objective is None:  # nothing proven: the fastest plan that fit, labelled with how it was found

@@ -91,20 +91,31 @@ def test_a_large_request_takes_the_smallest_cached_block_that_holds_it():
     assert allocator.allocated_bytes == 30 * MiB
 
 
-H200_RESNET50 = DATA / "h200-resnet50-bf16.profile.yaml"
-
-
 def _every_block_split(profile):
     """The profile as if made with expandable segments, where the allocator splits every block."""
     return replace(profile, device=replace(profile.device, alloc_conf="expandable_segments:True"))
 
 
-def test_the_simulator_counts_the_allocator_s_blocks_on_a_cuda_profile():
-    """resnet50 (batch 64, bf16-mixed) profiled on an H200 with PyTorch's default allocator: it
-    measured 18.3 MiB more than the profile's requests add up to; the simulated peak, the
-    allocator's blocks replayed, misses less than 2 MiB. Profiled with expandable segments it
-    would be the requests' sum."""
-    profile = load_profile(H200_RESNET50)
+@pytest.fixture(scope="module")
+def h200():
+    """resnet50 (batch 64, bf16-mixed) profiled on an H200 with PyTorch's default allocator."""
+    return load_profile(DATA / "h200-resnet50-bf16.profile.yaml")
+
+
+@pytest.fixture(scope="module")
+def planned_by_requests(h200):
+    """80% of the H200 profile's peak, and the fastest plan whose requests fit it (solved as if
+    every block were split)."""
+    budget = int(h200.baseline.peak_bytes * 0.8)
+    planner = Planner(SegmentModel(_every_block_split(h200)))
+    return budget, planner.solve(budget, time_limit_s=60, workers=2, seed=0, relative_gap=0.01)
+
+
+def test_the_simulator_counts_the_allocator_s_blocks_on_a_cuda_profile(h200):
+    """The H200 step measured 18.3 MiB more than the profile's requests add up to; the simulated
+    peak, the allocator's blocks replayed, misses less than 2 MiB. Profiled with expandable
+    segments it would be the requests' sum."""
+    profile = h200
     assert profile.device.alloc_conf == ""
     measured = profile.baseline.peak_bytes
     simulated = simulate(profile, {})
@@ -116,18 +127,15 @@ def test_the_simulator_counts_the_allocator_s_blocks_on_a_cuda_profile():
     assert simulate(_every_block_split(profile), {}).peak_bytes == simulated.requested_peak_bytes
 
 
-def test_the_solver_plans_with_the_allocator_s_blocks():
+def test_the_solver_plans_with_the_allocator_s_blocks(h200, planned_by_requests):
     """At 80% of the H200 profile's peak, the fastest plan whose requests fit the budget is over it
     once the allocator's blocks are counted. The solve loop lowers the linear model's budget by
     what the blocks added, until they fit too, and claims no bound for the answer. Its added time
     stays near that of the plan counting requests alone, a lower bound (stopping at the first
     answer the blocks put over, it was 5.8 times as much)."""
-    profile = load_profile(H200_RESNET50)
-    budget = int(profile.baseline.peak_bytes * 0.8)
-    solve = {"time_limit_s": 60, "workers": 2, "seed": 0, "relative_gap": 0.01}
-    summed = Planner(SegmentModel(_every_block_split(profile))).solve(budget, **solve)
+    profile, (budget, summed) = h200, planned_by_requests
     assert summed.result.peak_bytes <= budget < simulate(profile, summed.plan, variants=summed.variants).peak_bytes
-    outcome = Planner(SegmentModel(profile)).solve(budget, **solve)
+    outcome = Planner(SegmentModel(profile)).solve(budget, time_limit_s=60, workers=2, seed=0, relative_gap=0.01)
     assert outcome.result.requested_peak_bytes < outcome.result.peak_bytes <= budget
     assert outcome.result == simulate(profile, outcome.plan, variants=outcome.variants)
     assert (outcome.status, outcome.method, outcome.bound_ms) == ("FEASIBLE", "cp-sat", None)
@@ -215,12 +223,12 @@ def test_recompute_bursts_take_workspace_and_the_linear_model_agrees(skip_cnn_pr
     assert sum(peak_breakdown(model, minimum.plan).values()) == lowest
 
 
-def test_inspect_takes_a_cuda_profile_whose_schedule_predicted_the_requests_sum():
+def test_inspect_takes_a_cuda_profile_whose_schedule_predicted_the_requests_sum(h200):
     """Schedules solved before the simulator replayed the allocator's blocks predicted the sum."""
     from monet_cli.cli.inspect_cmd import check_schedule_matches
     from tests.schedules_for_tests import plan_schedule
 
-    profile = load_profile(H200_RESNET50)
+    profile = h200
     schedule = plan_schedule(profile, {})
     result = simulate(profile, {})
     for predicted in (result.peak_bytes, result.requested_peak_bytes):
@@ -229,7 +237,7 @@ def test_inspect_takes_a_cuda_profile_whose_schedule_predicted_the_requests_sum(
         check_schedule_matches(replace(schedule, predicted=replace(schedule.predicted, peak_bytes=1)), profile)
 
 
-def test_apply_warns_where_the_allocator_counts_blocks_otherwise(monkeypatch):
+def test_apply_warns_where_the_allocator_counts_blocks_otherwise(h200, monkeypatch):
     """A CUDA schedule carries its profile's allocator settings; applied under settings that
     count blocks otherwise (here expandable segments) it warns, under equivalent ones it does not."""
     import warnings
@@ -237,7 +245,7 @@ def test_apply_warns_where_the_allocator_counts_blocks_otherwise(monkeypatch):
     from monet_cli.runtime.executor import apply_schedule
     from tests.schedules_for_tests import plan_schedule
 
-    schedule = plan_schedule(load_profile(H200_RESNET50), {})  # no decisions: any model takes it
+    schedule = plan_schedule(h200, {})  # no decisions: any model takes it
     assert schedule.predicted.alloc_conf == ""
     for conf, warns in (("expandable_segments:True", True), ("max_split_size_mb:512", False)):
         monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", conf)
@@ -245,21 +253,18 @@ def test_apply_warns_where_the_allocator_counts_blocks_otherwise(monkeypatch):
             warnings.simplefilter("always")
             apply_schedule(torch.nn.Linear(2, 2), schedule, check_fingerprint=False)
         assert any("counts blocks otherwise" in str(w.message) for w in caught) == warns, conf
-    split = _every_block_split(load_profile(H200_RESNET50))
-    assert plan_schedule(split, {}).predicted.alloc_conf == "expandable_segments:True"
+    assert plan_schedule(_every_block_split(h200), {}).predicted.alloc_conf == "expandable_segments:True"
 
 
-def test_no_plan_within_a_lowered_budget_is_not_called_infeasible(monkeypatch):
+def test_no_plan_within_a_lowered_budget_is_not_called_infeasible(h200, planned_by_requests, monkeypatch):
     """Once the allocator's blocks lowered the linear model's budget, a round CP-SAT proves
     infeasible says nothing of the budget itself: the solve ends UNKNOWN (exit 4: raise the time
     limit), not INFEASIBLE (exit 3: below the smallest peak)."""
     from monet_cli.core.solver import search
     from monet_cli.core.solver.cpsat import CpResult
 
-    profile = load_profile(H200_RESNET50)
-    budget = int(profile.baseline.peak_bytes * 0.8)
-    summed = Planner(SegmentModel(_every_block_split(profile))).solve(budget, time_limit_s=60, workers=2, seed=0)
-    planner = Planner(SegmentModel(profile))
+    budget, summed = planned_by_requests
+    planner = Planner(SegmentModel(h200))
     rounds = iter(
         [
             CpResult(

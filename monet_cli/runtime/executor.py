@@ -95,8 +95,10 @@ def apply_schedule(model: nn.Module, schedule: Schedule | str | Path, *, check_f
 def _warn_if_other_allocator(schedule: Schedule) -> None:
     """A CUDA schedule applied where the allocator counts blocks otherwise than where it was
     predicted runs, with a warning: its peak may differ from the prediction."""
+    if schedule.fingerprint.device_type != "cuda":
+        return
     expected, found = schedule.predicted.alloc_conf, alloc_conf()
-    if schedule.fingerprint.device_type == "cuda" and not same_counting(expected, found):
+    if not same_counting(expected, found):
         warnings.warn(
             f"monet: this schedule's peak was predicted with PYTORCH_CUDA_ALLOC_CONF '{expected}' (its "
             f"profile's); this process has '{found}', whose allocator counts blocks otherwise: the peak "

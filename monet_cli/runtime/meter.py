@@ -267,7 +267,7 @@ def measure_peak(
     ``beside``: another workload alive on the same device, whose tensors are not this step's
     memory; ``machinery``: when checkpoint's bookkeeping runs (no timeline points)."""
     if workload.device.type == "cuda":
-        _cache_of_own_step(workload, seed)
+        _cache_of_own_step(workload)
     if seed is not None:
         torch.manual_seed(seed)
     workload.zero_grad()
@@ -282,15 +282,16 @@ def measure_peak(
     )
 
 
-def _cache_of_own_step(workload: Workload, seed: int | None) -> None:
+def _cache_of_own_step(workload: Workload) -> None:
     """CUDA: which cached block a request gets, and so what the allocator counts, depends on
     the blocks earlier steps left in its cache. The measured step starts from the cache one
     step of its own workload leaves, as in training and as the simulator's replay assumes
     (``core.allocator``), not from another model's: ``apply`` measures the unmodified and the
-    scheduled model in one process, and gpu-check profiles several models in one."""
+    scheduled model in one process, and gpu-check profiles several models in one. This step is
+    not seeded: the cache depends on the sizes asked for, which its inputs' values leave alone
+    except in value-dependent models (routing), where its own optimizer update already makes
+    the next step differ."""
     free_unreachable(workload.device)
     torch.cuda.empty_cache()
-    if seed is not None:
-        torch.manual_seed(seed)
     workload.zero_grad()
     workload.step()

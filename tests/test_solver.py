@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from itertools import combinations
+
 import numpy as np
 import pytest
 import torch
@@ -211,6 +213,44 @@ def test_segments_nest_as_pairs_and_an_outer_may_hold_several(two_branch):
     assert "overlap" in nesting_problem(model, {block: kept, first: bare})
     with pytest.raises(ValueError, match="overlap"):
         simulate(model.profile, {block: kept, first: bare}, model=model)
+
+
+def test_segments_that_share_an_op_are_in_one_sharing_set(enumerable):
+    _, model, _ = enumerable
+    ops = {c: set(range(seg.first_op, seg.end_op)) for c, seg in model.segments.items()}
+    sets = [frozenset(shared) for shared in model.sharing_sets]
+    overlapping = [(a, b) for a, b in combinations(model.segments, 2) if ops[a] & ops[b]]
+    assert overlapping
+    for a, b in overlapping:
+        assert any({a, b} <= shared for shared in sets), (a, b)
+    for shared in sets:
+        assert set.intersection(*(ops[c] for c in shared))
+        assert not any(shared < other for other in sets)
+
+
+def test_the_cp_model_allows_the_segment_sets_the_runtime_runs_and_no_other(enumerable):
+    """Every set of segments the simulator runs (side by side or nested) is feasible in the CP
+    model, and none that one more segment makes unrunnable: the cliques over segments sharing
+    an op, added only to tighten the relaxation, cut no runnable plan."""
+    from ortools.sat.python import cp_model
+
+    from monet_cli.core.simulate import nesting_problem
+    from monet_cli.core.solver.cpsat import build_model
+    from monet_cli.core.solver.linear import nest_paths
+
+    profile, model, scored = enumerable
+    runnable = {frozenset(plan) for _, plan in scored}
+    unrunnable = {family | {c} for family in runnable for c in model.segments if c not in family} - runnable
+    assert any(nest_paths(model, dict.fromkeys(family, frozenset())) for family in runnable)
+    cp, v = build_model(model, [], budget_bytes=profile.baseline.peak_bytes)
+    solver = cp_model.CpSolver()
+    solver.parameters.num_workers = 1
+    for family in sorted(runnable | unrunnable, key=sorted):
+        expected = family in runnable or not nesting_problem(model, dict.fromkeys(family, frozenset()))
+        cp.clear_assumptions()
+        cp.add_assumptions([v.seg[c] if c in family else ~v.seg[c] for c in v.seg])
+        status = solver.solve(cp)
+        assert (status == cp_model.OPTIMAL) == expected, (sorted(family), solver.status_name(status))
 
 
 def test_schedule_files_hold_nested_pairs_and_refuse_other_overlaps(two_branch, tmp_path):

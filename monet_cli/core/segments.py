@@ -29,6 +29,8 @@ from dataclasses import dataclass
 from functools import cached_property
 from itertools import combinations
 
+import numpy as np
+
 from monet_cli.core.offload import with_offload_sites
 from monet_cli.core.profile import ModuleCall, Profile
 from monet_cli.core.ranges import OpRange, calls_made, op_ranges, packs_inside
@@ -312,6 +314,27 @@ class SegmentModel:
                 if a.call not in self.ancestors[b.call] and b.call not in self.ancestors[a.call]:
                     pairs.append((a.call, b.call))
         return tuple(pairs)
+
+    @cached_property
+    def sharing_sets(self) -> tuple[tuple[int, ...], ...]:
+        """The largest sets of segments that share an op. Overlapping segments are only chosen
+        nested, so of each set at most one chosen segment is outermost: a clique that keeps
+        CP-SAT's relaxation from choosing fractions of overlapping segments side by side."""
+        segs = [seg for seg in self.segments.values() if seg.first_op < seg.end_op]
+        calls = np.array([seg.call for seg in segs], dtype=np.int64)
+        first = np.array([seg.first_op for seg in segs], dtype=np.int64)
+        end = np.array([seg.end_op for seg in segs], dtype=np.int64)
+        starts = np.unique(first)
+        sets = []
+        # A set only grows where a segment starts, so the largest ones are found there: the
+        # set at one start is kept unless all of it still runs at the next start.
+        for k, at in enumerate(starts):
+            inside = (first <= at) & (at < end)
+            if k + 1 < len(starts) and end[inside].min() > starts[k + 1]:
+                continue
+            if inside.sum() > 1:
+                sets.append(tuple(sorted(calls[inside].tolist())))
+        return tuple(sets)
 
     @cached_property
     def packs_by_storage(self) -> dict[int, list[int]]:

@@ -36,8 +36,10 @@ sys.path.insert(0, str(ROOT))
 
 from bench import methods as M  # noqa: E402
 from bench.pairing import paired_overhead  # noqa: E402
+from bench.window import WindowTimer  # noqa: E402
 from monet_cli.core.plan import plan_of, predicted, solve_schedule, variants_of  # noqa: E402
 from monet_cli.core.profile import InputSpec, Profile  # noqa: E402
+from monet_cli.core.schedule import Schedule  # noqa: E402
 from monet_cli.core.segments import SegmentModel  # noqa: E402
 from monet_cli.core.simulate import SimResult, simulate  # noqa: E402
 from monet_cli.core.solver.search import Hint, Planner  # noqa: E402
@@ -45,6 +47,7 @@ from monet_cli.profiler.run import env_info, profile_model  # noqa: E402
 from monet_cli.runtime.host_memory import keep_freed_host_memory  # noqa: E402
 from monet_cli.runtime.meter import measure_peak  # noqa: E402
 from monet_cli.workload.resolve import Overrides, resolve_model_spec  # noqa: E402
+from monet_cli.workload.step import build_workload  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -154,6 +157,12 @@ def simulated(model: SegmentModel, checkpointed: list[str]) -> dict[str, Any]:
     }
 
 
+def predicted_overhead(model: SegmentModel, profile: Profile, schedule: Schedule) -> float:
+    """The overhead ``model`` (made from ``profile``) predicts for ``schedule``'s plan."""
+    result = simulate(model.profile, plan_of(schedule, model), model=model, variants=variants_of(schedule, profile))
+    return predicted(model.profile, result).overhead
+
+
 def op_sum_overhead(model: SegmentModel, plan: dict, variants: frozenset[int] = frozenset()) -> float:
     """The overhead the time model before the calls' wall times predicts for the same schedule (a
     recompute priced at its ops' timed sum): both models against one measurement."""
@@ -182,15 +191,23 @@ def settled_peak(method: M.Method) -> int:
     return live_peak(method)
 
 
-def measure_eager(methods: list[M.Method], repeats: int) -> dict[str, dict[str, Any]]:
+def measure_eager(
+    methods: list[M.Method], repeats: int, window: WindowTimer | None = None
+) -> dict[str, dict[str, Any]]:
+    """Each method's peak and its steps, timed in ``repeats`` rounds of one step each, in
+    rotating order; ``window`` times the profile's step and calls once a round."""
     for m in methods:
         m.workload.timed_step(seed=0)  # warm-up
+    if window is not None:
+        window.workload.timed_step(seed=0)
     peaks = {m.name: live_peak(m) for m in methods}
     times: dict[str, list[float]] = {m.name: [] for m in methods}
     for r in range(repeats):
         order = methods[r % len(methods) :] + methods[: r % len(methods)]
         for m in order:
             times[m.name].append(m.workload.timed_step(seed=r))
+        if window is not None:
+            window.tick()
     return {
         m.name: {
             "peak_bytes": peaks[m.name],
@@ -268,8 +285,13 @@ def run_workload(
     log(f"{w.name}: building methods")
     eager += [M.monet(spec, device, schedule, info) for schedule, info in solved]
     log(f"{w.name}: measuring {len(eager)} eager methods x {repeats} repeats")
-    measured = measure_eager(eager, repeats)
+    window = WindowTimer(build_workload(spec, device), profile)
+    measured = measure_eager(eager, repeats, window)
     base = measured[eager[0].name]
+    window_profile = window.in_window()
+    window_model = SegmentModel(window_profile)
+    for schedule, info in solved:
+        info["predicted_overhead_in_window"] = predicted_overhead(window_model, window_profile, schedule)
     points = []
     for m in eager:
         row = {"method": m.name, "kind": m.kind, "meter": m.meter, **measured[m.name], "info": {}}
@@ -279,6 +301,7 @@ def run_workload(
             row["info"] = m.info
         if m.kind == "pytorch":
             row.update(simulated(planner.model, m.info["checkpointed"]))
+            row["predicted_overhead_in_window"] = simulated(window_model, m.info["checkpointed"])["predicted_overhead"]
         points.append(row)
     if w.transformer and compile_budgets:
         log(f"{w.name}: torch.compile budgets {compile_budgets}")
@@ -325,6 +348,7 @@ def run_workload(
             "fixed_bytes": fixed,
             "overheads": dataclasses.asdict(profile.overheads),
         },
+        "window_step_ms": window_profile.baseline.step_ms,
         "repeats": repeats,
         "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "points": points,

@@ -22,8 +22,11 @@ def test_bench_smoke(tmp_path: Path):
     # The hand-written checkpointing is simulated too: its peak as predicted, and its overhead.
     by_hand = [p for p in result["points"] if p["kind"] == "pytorch"]
     assert by_hand and all(abs(p["prediction_error"]) <= 0.02 and p["predicted_overhead"] > 0 for p in by_hand)
+    # Each is predicted again from the profile's times taken in the window it was measured in.
+    assert all(p["predicted_overhead_in_window"] > 0 for p in monet + by_hand)
     text = render([result], None, None, None, tmp_path / "img")
     assert "| monet 90% |" in text and "Targets:" in text
+    assert "within 3 points of the one predicted from the profile's step and call times taken again" in text
 
 
 def test_reach_bench_measures_each_family_floor(tmp_path: Path):
@@ -38,6 +41,38 @@ def test_reach_bench_measures_each_family_floor(tmp_path: Path):
     assert any(f"({format_bytes(floors[-1])})" in point for point in row["floor_binding_points"])
     missed = render([], None, None, {"rows": [{**row, "below_blocks": 1.0}]}, tmp_path / "img")
     assert "- gpt: 1.000x" in missed and "  - why: " in missed
+
+
+def test_a_profile_timed_again_predicts_from_the_window_s_times():
+    """The window's times put into the shipped gpt profile: its own times give its own
+    predictions; a machine twice as slow everywhere, the same overheads; a step slower in its
+    backward only (the forward's calls as before), less overhead."""
+    from bench.run import predicted_overhead
+    from bench.window import in_window
+    from monet_cli.core.plan import solve_schedule
+    from monet_cli.core.profile import load_profile
+    from monet_cli.core.segments import SegmentModel
+    from monet_cli.core.solver.search import Planner
+    from monet_cli.profiler.capture import Timings
+
+    profile = load_profile(Path("configs/gpt.profile.yaml"))
+    planner = Planner(SegmentModel(profile))
+    schedule, _ = solve_schedule(
+        planner, profile.baseline.peak_bytes // 2, "50%", time_limit_s=20, workers=1, seed=0, relative_gap=0.01
+    )
+    assert schedule is not None
+    own = predicted_overhead(planner.model, profile, schedule)
+    assert own == schedule.predicted.overhead
+
+    def again(step_scale: float, call_scale: float) -> float:
+        calls = [call.time_ms * call_scale for call in profile.calls]
+        timings = Timings(step_ms=[profile.baseline.step_ms * step_scale] * 3, call_ms=[calls] * 3)
+        window = in_window(profile, timings)
+        return predicted_overhead(SegmentModel(window), window, schedule)
+
+    assert again(1.0, 1.0) == pytest.approx(own, abs=1e-5)
+    assert again(2.0, 2.0) == pytest.approx(own, abs=1e-5)
+    assert again(1.2, 1.0) < own / 1.1
 
 
 def test_the_time_model_target_is_judged_on_paired_repeats_with_their_interval():

@@ -288,7 +288,7 @@ def run_workload(
     window = WindowTimer(build_workload(spec, device), profile)
     measured = measure_eager(eager, repeats, window)
     base = measured[eager[0].name]
-    window_profile = window.in_window()
+    window_profile = window.in_window(base["step_ms_all"])
     window_model = SegmentModel(window_profile)
     for schedule, info in solved:
         info["predicted_overhead_in_window"] = predicted_overhead(window_model, window_profile, schedule)

@@ -46,7 +46,8 @@ def test_reach_bench_measures_each_family_floor(tmp_path: Path):
 def test_a_profile_timed_again_predicts_from_the_window_s_times():
     """The window's times put into the shipped gpt profile: its own times give its own
     predictions; a machine twice as slow everywhere, the same overheads; a step slower in its
-    backward only (the forward's calls as before), less overhead."""
+    backward only (the forward's calls as before), less overhead. The model as written takes
+    the median of its paired ratios to the window's steps."""
     from bench.run import predicted_overhead
     from bench.window import in_window
     from monet_cli.core.plan import solve_schedule
@@ -73,6 +74,11 @@ def test_a_profile_timed_again_predicts_from_the_window_s_times():
     assert again(1.0, 1.0) == pytest.approx(own, abs=1e-5)
     assert again(2.0, 2.0) == pytest.approx(own, abs=1e-5)
     assert again(1.2, 1.0) < own / 1.1
+    # The model as written, paired repeat by repeat with the window's steps: 5%, 5% and 10% faster
+    # (the ratio of the medians would say 10%).
+    calls = [[call.time_ms for call in profile.calls]] * 3
+    window = in_window(profile, Timings(step_ms=[80.0, 100.0, 90.0], call_ms=calls), [76.0, 95.0, 81.0])
+    assert window.baseline.step_ms == 90.0 and window.baseline.as_written_step_ms == pytest.approx(85.5)
 
 
 def test_the_time_model_target_is_judged_on_paired_repeats_with_their_interval():

@@ -374,11 +374,16 @@ def test_checkpoint_s_frame_and_policy_are_priced_in_the_step(resnet18_profile, 
     run under a selective policy against plain checkpoint: the difference per op, forward and
     recompute, is ``policy_op_ms``. All in the profile's time. The step's timings are the
     benchmarks' business: here the step is a stub that reads which forwards are swapped and
-    adds a known cost for each."""
+    adds a known cost for each.
+
+    The machine runs twice as slow as in the profile's steps, but its forwards only 1.5 times:
+    each set's recomputes are priced at the calls' walls timed in plain steps between its
+    pairs, not at the profile's."""
     from dataclasses import replace
 
     from monet_cli.core.segments import SegmentModel
     from monet_cli.profiler import in_step
+    from monet_cli.profiler.capture import Timings, retimed
 
     profile = replace(
         resnet18_profile,
@@ -386,6 +391,21 @@ def test_checkpoint_s_frame_and_policy_are_priced_in_the_step(resnet18_profile, 
         overheads=replace(resnet18_profile.overheads, python_op_ms=0.0),
     )
     model = SegmentModel(profile)
+    step_speed, forward_speed = 2.0, 1.5
+    walls = [forward_speed * call.time_ms for call in profile.calls]
+    now = SegmentModel(retimed(profile, Timings(step_ms=[step_speed * 10.0], call_ms=[walls])))
+    walls_timed = [0]
+
+    class CallTimer:
+        def __init__(self, _workload) -> None:
+            pass
+
+        def step(self) -> tuple[float, list[float]]:
+            assert not swapped(), "calls timed in a checkpointed step"
+            walls_timed[0] += 1
+            return step_speed * 10.0, walls
+
+    monkeypatch.setattr(in_step, "CallTimer", CallTimer)
     index = {model.calls[c].fqn: c for c in model.segments}
     workload = build_workload(small_spec(), CPU)
     modules = dict(workload.model.named_modules())
@@ -398,11 +418,13 @@ def test_checkpoint_s_frame_and_policy_are_priced_in_the_step(resnet18_profile, 
 
     def step(*_args, **_kwargs) -> float:
         steps_run[0] += 1
-        ms = 10.0
+        ms = 10.0  # the rest in the profile's time, as the machine runs now
+        priced_now = 0.0
         for name, forward in swapped().items():
             seg = model.segments[index[name]]
             assert not isinstance(modules[name], torch.nn.BatchNorm2d), name
-            ms += model.added_ms(index[name]) + 0.5 + 0.004 * (seg.stop - seg.first_op)
+            priced_now += now.added_ms(index[name])
+            ms += 0.5 + 0.004 * (seg.stop - seg.first_op)
             if "context_fn" in forward.keywords:
                 ms += 0.03 * 2 * (seg.end_op - seg.first_op)
                 policies.add(frozenset(swapped()))
@@ -410,7 +432,7 @@ def test_checkpoint_s_frame_and_policy_are_priced_in_the_step(resnet18_profile, 
         swapped_together.add(frozenset(swapped()))
         taken = sorted((model.segments[index[n]].first_op, model.segments[index[n]].end_op) for n in swapped())
         assert all(end <= start for (_, end), (start, _) in zip(taken, taken[1:])), "nested calls checkpointed at once"
-        return 2 * ms  # the machine runs twice as slow as in the profile's steps
+        return step_speed * ms + priced_now
 
     monkeypatch.setattr(workload, "timed_step", step)
     priced = in_step.price_in_step(workload, profile, 3)
@@ -424,6 +446,7 @@ def test_checkpoint_s_frame_and_policy_are_priced_in_the_step(resnet18_profile, 
     assert {"layer1", "layer4", "fc"} <= largest
     assert not swapped(), "forwards left swapped"
     assert steps_run[0] == 4 * 2 * (in_step.WARM_UP_PAIRS + 3 * in_step.PAIRS_PER_STEP)  # 4 measurements, 3 steps
+    assert walls_timed[0] == 3 * 3 * in_step.PAIRS_PER_STEP  # after each pair of the three sets
     steps_run[0] = 0
     assert in_step.price_in_step(workload, profile, 1) == priced  # `monet profile --steps 1` pairs fewer
     assert steps_run[0] == 4 * 2 * (in_step.WARM_UP_PAIRS + in_step.PAIRS_PER_STEP)

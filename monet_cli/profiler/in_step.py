@@ -28,7 +28,12 @@ alternating order:
 - the largest calls under a selective policy that keeps nothing, against plain checkpoint:
   the difference, per op run under the policy in the forward and in the recompute, is
   ``policy_op_ms``.
-Times are taken in the profile's time: the plain steps here against the profile's step time.
+Each set is priced at its calls' walls timed again in plain steps between its pairs
+(``CallTimer``), and what it adds beyond that price is put in the profile's time by those
+steps over the profile's. Priced at the profile's walls instead, with one speed ratio for
+all, five gpt profiles in a row (12-05) put ``python_op_ms`` at 0 to 0.026 ms and
+``first_frame_ms`` at 0.65 to 3.4 ms, as the machine's speed changed between the profile's
+timed steps and the pricing (a slow speed slows the backward more than the forward).
 BatchNorm calls are left out (a recompute would update their statistics again). Where a step
 is too slow to pair ``MIN_PAIRS`` times in ``BUDGET_S``, the generic prices stay: a frame and
 a policy are then a small share of the step. A profile of fewer timed steps (``--steps``)
@@ -51,6 +56,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from monet_cli.core.profile import Overheads, Profile
 from monet_cli.core.segments import SegmentModel
+from monet_cli.profiler.capture import CallTimer, Timings, retimed
 from monet_cli.workload.step import Workload
 
 FRAMES = 16
@@ -73,26 +79,24 @@ def price_in_step(workload: Workload, profile: Profile, steps: int) -> Overheads
     pairs = _pairs(profile.baseline.step_ms, steps)
     if pairs < MIN_PAIRS:  # a slow step: nothing to pair, so no candidates to find
         return profile.overheads
-    model = SegmentModel(replace(profile, overheads=replace(profile.overheads, python_op_ms=0.0)))
+    unpriced = replace(profile, overheads=replace(profile.overheads, python_op_ms=0.0))
+    model = SegmentModel(unpriced)
     cheapest = _calls(model, cheapest=True)
     if not cheapest:
         return profile.overheads
     largest = _calls(model, cheapest=False)
     modules = dict(workload.model.named_modules())
 
-    def checkpointed(calls: list[int]) -> Callable[[bool], None]:
-        return _toggles([_Toggle(modules[model.calls[c].fqn]) for c in calls])
+    def checkpointed(calls: list[int]) -> _Checkpointed:
+        walls = Timings()
+        switch = _toggles([_Toggle(modules[model.calls[c].fqn]) for c in calls])
+        _, added_ms = _paired(workload, switch, pairs, walls)
+        return _Checkpointed(unpriced, walls, calls, added_ms)
 
-    plain_ms, frames_ms = _paired(workload, checkpointed(cheapest), pairs)
-    now = plain_ms / profile.baseline.step_ms  # this machine's speed now over the profile's steps'
-    few = cheapest[:FEW_FRAMES]
-    few_ms = _paired(workload, checkpointed(few), pairs)[1] if len(few) < len(cheapest) else frames_ms
-    _, recomputes_ms = _paired(workload, checkpointed(largest), pairs)
-    once_ms, frame_ms, op_ms = _unpriced(
-        _Checkpointed(model, few, few_ms / now),
-        _Checkpointed(model, cheapest, frames_ms / now),
-        _Checkpointed(model, largest, recomputes_ms / now),
-    )
+    many = checkpointed(cheapest)
+    few = checkpointed(cheapest[:FEW_FRAMES]) if FEW_FRAMES < len(cheapest) else many
+    long = checkpointed(largest)
+    once_ms, frame_ms, op_ms = _unpriced(few, many, long)
     policies = [_Toggle(modules[model.calls[c].fqn], policy=True) for c in largest]
     try:
         _, policy_ms = _paired(workload, _toggles(policies), pairs)
@@ -105,19 +109,24 @@ def price_in_step(workload: Workload, profile: Profile, steps: int) -> Overheads
         first_frame_ms=round(once_ms, 6),
         segment_ms=round(max(0.0, profile.overheads.segment_ms + frame_ms), 6),
         python_op_ms=round(op_ms, 6),
-        policy_op_ms=round(max(0.0, policy_ms / now / (2 * ops)), 6),
+        policy_op_ms=round(max(0.0, policy_ms / long.speed / (2 * ops)), 6),
     )
 
 
 class _Checkpointed:
     """Calls checkpointed together in the step: their frames, the ops their recomputes re-run,
-    and the time they added (in the profile's time) beyond the model's price without a per-op
-    extra."""
+    and the time they added beyond the model's price without a per-op extra. The price is
+    taken from the calls' walls timed in plain steps paired with these (``walls``), in those
+    steps' time, and the remainder put in the profile's time."""
 
-    def __init__(self, model: SegmentModel, calls: list[int], added_ms: float) -> None:
+    def __init__(self, profile: Profile, walls: Timings, calls: list[int], added_ms: float) -> None:
+        now = retimed(profile, walls)
+        model = SegmentModel(now)
+        self.speed = now.baseline.step_ms / profile.baseline.step_ms
+        """This machine's speed in these steps over the profile's."""
         self.frames = len(calls)
         self.ops = sum(model.segments[c].stop - model.segments[c].first_op for c in calls)
-        self.unpriced_ms = added_ms - sum(model.added_ms(c) for c in calls)
+        self.unpriced_ms = (added_ms - sum(model.added_ms(c) for c in calls)) / self.speed
 
 
 def _unpriced(few: _Checkpointed, many: _Checkpointed, long: _Checkpointed) -> tuple[float, float, float]:
@@ -251,9 +260,12 @@ def _toggles(toggles: list[_Toggle]) -> Callable[[bool], None]:
     return switch
 
 
-def _paired(workload: Workload, switch: Callable[[bool], None], pairs: int) -> tuple[float, float]:
+def _paired(
+    workload: Workload, switch: Callable[[bool], None], pairs: int, walls: Timings | None = None
+) -> tuple[float, float]:
     """Median step with ``switch(False)``, and median paired difference (``switch(True)`` minus
-    it), in ms; ``switch(False)`` again at the end."""
+    it), in ms; ``switch(False)`` again at the end. With ``walls``, each pair is followed by a
+    step with ``switch(False)`` whose module calls are timed (``CallTimer``), into ``walls``."""
     first, added = [], []
     try:
         for k in range(WARM_UP_PAIRS + pairs):
@@ -264,6 +276,11 @@ def _paired(workload: Workload, switch: Callable[[bool], None], pairs: int) -> t
             if k >= WARM_UP_PAIRS:
                 first.append(times[False])
                 added.append(times[True] - times[False])
+                if walls is not None:
+                    switch(False)
+                    step_ms, call_ms = CallTimer(workload).step()
+                    walls.step_ms.append(step_ms)
+                    walls.call_ms.append(call_ms)
     finally:
         switch(False)
     return statistics.median(first), statistics.median(added)

@@ -30,10 +30,11 @@ alternating order:
   ``policy_op_ms``.
 Each set is priced at its calls' walls timed again in plain steps between its pairs
 (``CallTimer``), and what it adds beyond that price is put in the profile's time by those
-steps over the profile's. Priced at the profile's walls instead, with one speed ratio for
-all, five gpt profiles in a row (12-05) put ``python_op_ms`` at 0 to 0.026 ms and
-``first_frame_ms`` at 0.65 to 3.4 ms, as the machine's speed changed between the profile's
-timed steps and the pricing (a slow speed slows the backward more than the forward).
+steps over the profile's. Priced at the profile's walls instead, with the first set's speed
+for all, five gpt profiles in a row (12-05) left 1.8 to 7.0 ms of the largest set's time
+unpriced, and 11.2 ms where the pricing ran 16% faster than the profile's timed steps (a
+slow speed slows the backward more than the forward: ``retimed``); priced at walls timed
+again, five more left 3.0 to 5.1 ms, all at one speed (the rest is the noise of 30 pairs).
 BatchNorm calls are left out (a recompute would update their statistics again). Where a step
 is too slow to pair ``MIN_PAIRS`` times in ``BUDGET_S``, the generic prices stay: a frame and
 a policy are then a small share of the step. A profile of fewer timed steps (``--steps``)

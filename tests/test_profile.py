@@ -446,7 +446,7 @@ def test_checkpoint_s_frame_and_policy_are_priced_in_the_step(resnet18_profile, 
     assert {"layer1", "layer4", "fc"} <= largest
     assert not swapped(), "forwards left swapped"
     assert steps_run[0] == 4 * 2 * (in_step.WARM_UP_PAIRS + 3 * in_step.PAIRS_PER_STEP)  # 4 measurements, 3 steps
-    assert walls_timed[0] == 3 * 3 * in_step.PAIRS_PER_STEP  # after each pair of the three sets
+    assert walls_timed[0] == 3 * 3 * in_step.PAIRS_PER_STEP // in_step.WALLS_EVERY  # the three sets' pairs
     steps_run[0] = 0
     assert in_step.price_in_step(workload, profile, 1) == priced  # `monet profile --steps 1` pairs fewer
     assert steps_run[0] == 4 * 2 * (in_step.WARM_UP_PAIRS + in_step.PAIRS_PER_STEP)

@@ -29,7 +29,7 @@ alternating order:
   the difference, per op run under the policy in the forward and in the recompute, is
   ``policy_op_ms``.
 Each set is priced at its calls' walls timed again in plain steps between its pairs
-(``CallTimer``), and what it adds beyond that price is put in the profile's time by those
+(``CallTimer``, after every other pair), and what it adds beyond that price is put in the profile's time by those
 steps over the profile's. Priced at the profile's walls instead, with the first set's speed
 for all, five gpt profiles in a row (12-05) left 1.8 to 7.0 ms of the largest set's time
 unpriced, and 11.2 ms where the pricing ran 16% faster than the profile's timed steps (a
@@ -71,6 +71,10 @@ PAIRS_PER_STEP = 10
 """Pairs per timed step the profile was asked for (``--steps``): a quick profile pairs fewer."""
 MIN_PAIRS, MAX_PAIRS = 9, 31
 WARM_UP_PAIRS = 2
+WALLS_EVERY = 2
+"""Pairs per plain step with its calls timed. One after every pair added about 7 s to
+tiny_gpt's profile and 39 s to the real-model tests (12-05); every other pair's steps span
+the same stretch of time."""
 
 
 def price_in_step(workload: Workload, profile: Profile, steps: int) -> Overheads:
@@ -265,8 +269,9 @@ def _paired(
     workload: Workload, switch: Callable[[bool], None], pairs: int, walls: Timings | None = None
 ) -> tuple[float, float]:
     """Median step with ``switch(False)``, and median paired difference (``switch(True)`` minus
-    it), in ms; ``switch(False)`` again at the end. With ``walls``, each pair is followed by a
-    step with ``switch(False)`` whose module calls are timed (``CallTimer``), into ``walls``."""
+    it), in ms; ``switch(False)`` again at the end. With ``walls``, every ``WALLS_EVERY``-th
+    pair is followed by a step with ``switch(False)`` whose module calls are timed
+    (``CallTimer``), into ``walls``."""
     first, added = [], []
     try:
         for k in range(WARM_UP_PAIRS + pairs):
@@ -277,7 +282,7 @@ def _paired(
             if k >= WARM_UP_PAIRS:
                 first.append(times[False])
                 added.append(times[True] - times[False])
-                if walls is not None:
+                if walls is not None and (k - WARM_UP_PAIRS) % WALLS_EVERY == 0:
                     switch(False)
                     step_ms, call_ms = CallTimer(workload).step()
                     walls.step_ms.append(step_ms)

@@ -376,6 +376,9 @@ def test_checkpoint_s_frame_and_policy_are_priced_in_the_step(resnet18_profile, 
     benchmarks' business: here the step is a stub that reads which forwards are swapped and
     adds a known cost for each.
 
+    Each set runs as a schedule runs it: the executor's checkpointed forward, its BatchNorms
+    guarded while it runs and unguarded after.
+
     The machine runs twice as slow as in the profile's steps, but its forwards only 1.5 times:
     each set's recomputes are priced at the calls' walls timed in plain steps between its
     pairs, not at the profile's."""
@@ -405,7 +408,15 @@ def test_checkpoint_s_frame_and_policy_are_priced_in_the_step(resnet18_profile, 
             walls_timed[0] += 1
             return step_speed * 10.0, walls
 
+    def checkpointed_forward(module, keep, marker, *, selective=False):
+        def forward(*_args, **_kwargs):
+            raise AssertionError("the stubbed steps run no forward")
+
+        forward.selective = selective
+        return forward
+
     monkeypatch.setattr(in_step, "CallTimer", CallTimer)
+    monkeypatch.setattr(in_step, "checkpointed_forward", checkpointed_forward)
     index = {model.calls[c].fqn: c for c in model.segments}
     workload = build_workload(small_spec(), CPU)
     modules = dict(workload.model.named_modules())
@@ -425,7 +436,9 @@ def test_checkpoint_s_frame_and_policy_are_priced_in_the_step(resnet18_profile, 
             assert not isinstance(modules[name], torch.nn.BatchNorm2d), name
             priced_now += now.added_ms(index[name])
             ms += 0.5 + 0.004 * (seg.stop - seg.first_op)
-            if "context_fn" in forward.keywords:
+            batchnorms = [m for m in modules[name].modules() if isinstance(m, torch.nn.BatchNorm2d)]
+            assert all(getattr(m, "_monet_guarded", False) for m in batchnorms), "BatchNorms unguarded"
+            if forward.selective:
                 ms += 0.03 * 2 * (seg.end_op - seg.first_op)
                 policies.add(frozenset(swapped()))
         ms += 0.7 if swapped() else 0.0
@@ -445,6 +458,7 @@ def test_checkpoint_s_frame_and_policy_are_priced_in_the_step(resnet18_profile, 
     assert sorted(len(s) for s in cheapest) == [in_step.FEW_FRAMES, in_step.FRAMES]
     assert {"layer1", "layer4", "fc"} <= largest
     assert not swapped(), "forwards left swapped"
+    assert not any(getattr(m, "_monet_guarded", False) or m._forward_hooks for m in modules.values())
     assert steps_run[0] == 4 * 2 * (in_step.WARM_UP_PAIRS + 3 * in_step.PAIRS_PER_STEP)  # 4 measurements, 3 steps
     assert walls_timed[0] == 3 * 3 * in_step.PAIRS_PER_STEP // in_step.WALLS_EVERY  # the three sets' pairs
     steps_run[0] = 0

@@ -11,8 +11,12 @@ dispatch modes cost 30 to 40 us an op there and 65 to 135 on the unet, where tan
 blocks were priced right and small segments (a LayerNorm and a Linear, an MLP) too cheap: the
 solver chose many small segments and the step ran 8 to 12 points slower than predicted.
 
-So the step itself is timed with module calls under ``torch.utils.checkpoint``, paired, in
-alternating order:
+So the step itself is timed with module calls checkpointed as a schedule runs them (the
+executor's ``checkpointed_forward``, their BatchNorms guarded), paired, in alternating order.
+Priced on ``torch.utils.checkpoint`` alone, the unet's schedule of every block ran 1.5 to 2.0%
+of the step slower than PyTorch's checkpoint of the same blocks in two runs of 61 and 201
+interleaved repeats (12-05; 90% intervals -1.7 to +5.0% and -1.4 to +5.2%), and its
+prediction matched PyTorch's. The sets:
 - the cheapest calls to checkpoint (``FRAMES`` at most, none nested in another), the
   ``FEW_FRAMES`` cheapest of them, and the largest calls (none nested in another), each set
   against the plain step. What each set added beyond the profile's price is a cost the step
@@ -35,7 +39,8 @@ for all, five gpt profiles in a row (12-05) left 1.8 to 7.0 ms of the largest se
 unpriced, and 11.2 ms where the pricing ran 16% faster than the profile's timed steps (a
 slow speed slows the backward more than the forward: ``retimed``); priced at walls timed
 again, five more left 3.0 to 5.1 ms, all at one speed (the rest is the noise of 30 pairs).
-BatchNorm calls are left out (a recompute would update their statistics again). Where a step
+BatchNorm calls are left out: a BatchNorm segment runs its guard inside its checkpointed
+forward, which no other segment does. Where a step
 is too slow to pair ``MIN_PAIRS`` times in ``BUDGET_S``, the generic prices stay: a frame and
 a policy are then a small share of the step. A profile of fewer timed steps (``--steps``)
 pairs fewer: ``PAIRS_PER_STEP`` per step.
@@ -45,19 +50,18 @@ pairs fewer: ``PAIRS_PER_STEP`` per step.
 
 from __future__ import annotations
 
-import functools
 import statistics
 from collections.abc import Callable, Iterable
 from dataclasses import replace
-from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from monet_cli.core.profile import Overheads, Profile
 from monet_cli.core.segments import SegmentModel
 from monet_cli.profiler.capture import CallTimer, Timings, retimed
+from monet_cli.runtime.executor import checkpointed_forward, guard_batchnorms
+from monet_cli.runtime.meter import MachineryMarker
 from monet_cli.workload.step import Workload
 
 FRAMES = 16
@@ -94,8 +98,12 @@ def price_in_step(workload: Workload, profile: Profile, steps: int) -> Overheads
 
     def checkpointed(calls: list[int]) -> _Checkpointed:
         walls = Timings()
-        switch = _toggles([_Toggle(modules[model.calls[c].fqn]) for c in calls])
-        _, added_ms = _paired(workload, switch, pairs, walls)
+        toggles = [_Toggle(modules[model.calls[c].fqn]) for c in calls]
+        try:
+            _, added_ms = _paired(workload, _toggles(toggles), pairs, walls)
+        finally:
+            for toggle in toggles:
+                toggle.close()
         return _Checkpointed(unpriced, walls, calls, added_ms)
 
     many = checkpointed(cheapest)
@@ -107,7 +115,7 @@ def price_in_step(workload: Workload, profile: Profile, steps: int) -> Overheads
         _, policy_ms = _paired(workload, _toggles(policies), pairs)
     finally:  # the first version is plain checkpoint
         for toggle in policies:
-            toggle.restore()
+            toggle.close()
     ops = sum(model.segments[c].end_op - model.segments[c].first_op for c in largest)
     return replace(
         profile.overheads,
@@ -219,22 +227,21 @@ def _apart(model: SegmentModel, candidates: Iterable[int]) -> list[int]:
     return chosen
 
 
-def _recompute_all(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-    return CheckpointPolicy.PREFER_RECOMPUTE
-
-
 class _Toggle:
-    """A module's forward, switched between two versions: plain and under checkpoint, or
-    (``policy``) under checkpoint and under checkpoint with a selective policy."""
+    """A module's forward, switched between two versions: plain and as a schedule checkpoints
+    it, or (``policy``) as a schedule checkpoints it and the same under its keep policy
+    keeping nothing. Its BatchNorms are guarded as a schedule guards them until ``close``."""
 
     def __init__(self, module: nn.Module, *, policy: bool = False) -> None:
         self.module = module
         self.own = module.__dict__.get("forward")
         """A forward set on the instance before (None: the class's)."""
-        plain: Callable[..., Any] = module.forward
-        checkpointed = _checkpointed(plain)
-        self.versions = (checkpointed, _checkpointed(plain, selective=True)) if policy else (None, checkpointed)
+        marker = MachineryMarker()
+        checkpointed = checkpointed_forward(module, frozenset(), marker)
+        selective = checkpointed_forward(module, frozenset(), marker, selective=True) if policy else None
+        self.versions = (checkpointed, selective) if policy else (None, checkpointed)
         """The two versions; None: the plain forward."""
+        self.unguard = guard_batchnorms(module)
 
     def set(self, second: bool) -> None:
         version = self.versions[second]
@@ -249,12 +256,10 @@ class _Toggle:
         else:
             self.module.__dict__.pop("forward", None)
 
-
-def _checkpointed(forward: Callable[..., Any], *, selective: bool = False) -> Callable[..., Any]:
-    options: dict[str, Any] = {"use_reentrant": False, "preserve_rng_state": True}
-    if selective:
-        options["context_fn"] = lambda: create_selective_checkpoint_contexts(_recompute_all)
-    return functools.wraps(forward)(functools.partial(checkpoint, forward, **options))
+    def close(self) -> None:
+        """The plain forward again, and the BatchNorms unguarded."""
+        self.restore()
+        self.unguard()
 
 
 def _toggles(toggles: list[_Toggle]) -> Callable[[bool], None]:

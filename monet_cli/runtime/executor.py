@@ -75,14 +75,14 @@ def apply_schedule(model: nn.Module, schedule: Schedule | str | Path, *, check_f
         if segment.within is not None:
             RangeSegment(segment, members[0], members[1:], marker).install()
             for member in members[1:]:
-                _guard_batchnorms(member, itself=True)
+                guard_batchnorms(member, itself=True)
         elif segment.chain:
             _Chain(segment.module, members, segment.chain, _context_fn(keep), marker).install()
             for member in members:
-                _guard_batchnorms(member, itself=True)
+                guard_batchnorms(member, itself=True)
         else:
-            _wrap_forward(members[0], keep, marker)
-            _guard_batchnorms(members[0])
+            members[0].forward = checkpointed_forward(members[0], keep, marker)
+            guard_batchnorms(members[0])
     install_variants(model, schedule.variants, marker)
     install_offloads([_module(modules, o.module) for o in schedule.offloads], schedule.offloads, marker)
     if check_fingerprint:
@@ -193,9 +193,14 @@ def _context_fn(keep: frozenset[tuple[str, int]]) -> Callable[[], Any]:
     return _keep_policy(keep) if keep else noop_context_fn
 
 
-def _wrap_forward(module: nn.Module, keep: frozenset[tuple[str, int]], marker: MachineryMarker) -> None:
+def checkpointed_forward(
+    module: nn.Module, keep: frozenset[tuple[str, int]], marker: MachineryMarker, *, selective: bool = False
+) -> Callable[..., Any]:
+    """The forward ``apply_schedule`` gives a module segment that keeps ``keep``: ``module``'s
+    current forward under checkpoint. ``selective`` runs the keep policy even when it keeps
+    nothing (``monet profile`` prices the policy with it)."""
     original = module.forward
-    context_fn = _context_fn(keep)
+    context_fn = _keep_policy(keep) if selective else _context_fn(keep)
 
     # Recompute calls ``original`` directly, not through ``module(...)``, so a BatchNorm
     # that is itself the segment gets its guard here rather than from module hooks.
@@ -231,7 +236,7 @@ def _wrap_forward(module: nn.Module, keep: frozenset[tuple[str, int]], marker: M
                 determinism_check="default",
             )
 
-    module.forward = checkpointed
+    return checkpointed
 
 
 def _tensors_apart(args: tuple, kwargs: dict) -> tuple[list[torch.Tensor], Callable[[tuple], tuple[tuple, dict]]]:
@@ -362,18 +367,27 @@ class _Chain:
         )
 
 
-def _guard_batchnorms(segment: nn.Module, *, itself: bool = False) -> None:
+def guard_batchnorms(segment: nn.Module, *, itself: bool = False) -> Callable[[], None]:
     """Guard the BatchNorms in ``segment``; the segment itself only when ``itself`` (a module
-    segment that is a BatchNorm guards itself in its checkpointed forward)."""
+    segment that is a BatchNorm guards itself in its checkpointed forward). Returns what
+    removes the guards it added."""
+    handles = []
     for module in segment.modules():
         if module is segment and not itself:
             continue
         if isinstance(module, nn.modules.batchnorm._BatchNorm) and not getattr(module, "_monet_guarded", False):
-            module.register_forward_pre_hook(_bn_pre_hook)
+            handles.append((module, module.register_forward_pre_hook(_bn_pre_hook)))
             # always_call: checkpoint stops a recompute by raising from inside the
             # BatchNorm (after its last saved tensor); the restore must still run.
-            module.register_forward_hook(_bn_post_hook, always_call=True)
+            handles.append((module, module.register_forward_hook(_bn_post_hook, always_call=True)))
             module._monet_guarded = True
+
+    def remove() -> None:
+        for module, handle in handles:
+            handle.remove()
+            module.__dict__.pop("_monet_guarded", None)
+
+    return remove
 
 
 def _in_backward() -> bool:

@@ -39,8 +39,9 @@ for all, five gpt profiles in a row (12-05) left 1.8 to 7.0 ms of the largest se
 unpriced, and 11.2 ms where the pricing ran 16% faster than the profile's timed steps (a
 slow speed slows the backward more than the forward: ``retimed``); priced at walls timed
 again, five more left 3.0 to 5.1 ms, all at one speed (the rest is the noise of 30 pairs).
-BatchNorm calls are left out: a BatchNorm segment runs its guard inside its checkpointed
-forward, which no other segment does. Where a step
+BatchNorm calls are left out, as they were when the sets ran under plain checkpoint (a
+recompute then updated their statistics again). The guards now prevent that; letting them in
+would change which calls the cheapest sets hold, and has not been measured. Where a step
 is too slow to pair ``MIN_PAIRS`` times in ``BUDGET_S``, the generic prices stay: a frame and
 a policy are then a small share of the step. A profile of fewer timed steps (``--steps``)
 pairs fewer: ``PAIRS_PER_STEP`` per step.

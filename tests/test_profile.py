@@ -468,6 +468,94 @@ def test_checkpoint_s_frame_and_policy_are_priced_in_the_step(resnet18_profile, 
     assert in_step.price_in_step(workload, slow, 3) == profile.overheads  # too few pairs fit: generic prices
 
 
+def test_a_slow_step_prices_checkpoint_on_a_few_calls_alone(monkeypatch, resnet18_profile):
+    """Where the step is too slow to pair, the largest calls that fit the budget and the
+    cheapest to checkpoint run alone, on copies, each checkpointed as a schedule runs it (its
+    BatchNorms guarded) against the same call plain: what each adds beyond its price is split
+    into a cost per frame (to ``segment_ms``) and one per re-run op (``python_op_ms``); the
+    largest run under the keep policy too (``policy_op_ms``). All in the profile's time: the
+    call's forward alone against its wall time in the profile says how fast the machine runs.
+    The timings are stubbed with a known cost per frame, per op and per policy op."""
+    from dataclasses import replace
+
+    from monet_cli.core.segments import SegmentModel
+    from monet_cli.profiler import alone
+
+    profile = replace(resnet18_profile, overheads=replace(resnet18_profile.overheads, python_op_ms=0.0))
+    model = SegmentModel(profile)
+    workload = build_workload(small_spec(), CPU)
+    fqn_of = {id(m): name for name, m in workload.model.named_modules()}
+    index = {model.calls[c].fqn: c for c in model.segments}
+    speed, frame_ms, op_ms, policy_op_ms = 1.5, 0.6, 0.05, 0.03
+    timed: list[tuple[str, int]] = []
+
+    def ms(kind: str, module: torch.nn.Module, call: int) -> float:
+        wall = profile.calls[call].time_ms
+        if kind == "forward":
+            return speed * wall
+        forward = module.__dict__.get("forward")
+        if forward is None:
+            return speed * 3 * wall
+        bns = [m for m in module.modules() if isinstance(m, torch.nn.BatchNorm2d)]
+        assert all(getattr(m, "_monet_guarded", False) for m in bns), "BatchNorms unguarded"
+        ops = model.segments[call].stop - model.segments[call].first_op
+        added = model.added_ms(call) + frame_ms + op_ms * ops + (policy_op_ms * 2 * ops if forward.selective else 0)
+        return speed * (3 * wall + added)
+
+    def interleaved(runs, _workload, rounds):
+        timed.extend((fqn, rounds) for _, _, fqn in runs[:1])
+        return [[ms(kind, module, index[fqn]) for kind, module, fqn in runs]] * rounds
+
+    def checkpointed_forward(module, keep, marker, *, selective=False):
+        def forward(*_args, **_kwargs):
+            raise AssertionError("the stubbed timings run no forward")
+
+        forward.selective = selective
+        return forward
+
+    monkeypatch.setattr(alone, "inputs_of", lambda _workload, module: fqn_of[id(module)])
+    monkeypatch.setattr(alone, "forward_of", lambda module, fqn: ("forward", module, fqn))
+    monkeypatch.setattr(alone, "step_of", lambda module, fqn: ("step", module, fqn))
+    monkeypatch.setattr(alone, "interleaved", interleaved)
+    monkeypatch.setattr(alone, "checkpointed_forward", checkpointed_forward)
+    priced = alone.price_alone(workload, profile)
+    assert priced.segment_ms == pytest.approx(profile.overheads.segment_ms + frame_ms, abs=1e-5)
+    assert priced.python_op_ms == pytest.approx(op_ms, abs=1e-6)
+    assert priced.policy_op_ms == pytest.approx(policy_op_ms, abs=1e-6)
+    assert priced.first_frame_ms == profile.overheads.first_frame_ms
+    assert [rounds for _, rounds in timed[::2]] == [1] * (alone.LARGEST + alone.CHEAPEST)  # warm-ups
+    chosen = [fqn for fqn, _ in timed[1::2]]
+    assert all(alone.MIN_ROUNDS <= rounds <= alone.MAX_ROUNDS for _, rounds in timed[1::2])
+    ops = {fqn: model.segments[index[fqn]].end_op - model.segments[index[fqn]].first_op for fqn in chosen}
+    assert min(ops[f] for f in chosen[: alone.LARGEST]) >= max(ops[f] for f in chosen[alone.LARGEST :])
+    assert not any("forward" in m.__dict__ or m._forward_hooks for m in workload.model.modules()), "model changed"
+
+
+def test_calls_timed_alone_run_on_copies_and_leave_the_model_as_it_was(resnet18_profile):
+    from monet_cli.profiler import alone
+
+    workload = build_workload(small_spec(), CPU)
+    state = {k: v.clone() for k, v in workload.model.state_dict().items()}
+    priced = alone.price_alone(workload, resnet18_profile)
+    assert priced.segment_ms >= resnet18_profile.overheads.segment_ms
+    assert priced.python_op_ms >= 0 and priced.policy_op_ms >= 0
+    assert not any(
+        "forward" in m.__dict__ or m._forward_hooks or m._forward_pre_hooks for m in workload.model.modules()
+    )
+    after = workload.model.state_dict()
+    assert all(torch.equal(state[k], after[k]) for k in state), "the model's own BatchNorm statistics moved"
+
+
+def test_frame_and_op_prices_are_a_line_through_what_calls_added_alone():
+    from monet_cli.profiler.alone import frame_and_op_ms
+
+    assert frame_and_op_ms([(0, 0.5), (10, 1.5), (20, 2.5)]) == pytest.approx((0.5, 0.1))
+    assert frame_and_op_ms([(0, 2.0), (20, 1.0)]) == pytest.approx((1.5, 0.0))  # a falling line: frames alone
+    assert frame_and_op_ms([(10, 0.5), (20, 2.5)]) == pytest.approx((0.0, 2.5 * 20 / 500 + 0.5 * 10 / 500))
+    assert frame_and_op_ms([(16, 2.0), (16, 3.0)]) == pytest.approx((2.5, 0.0))  # one op count: frames alone
+    assert frame_and_op_ms([(0, -1.0), (0, -0.5)]) == (0.0, 0.0)
+
+
 def test_the_profile_times_calls_once_the_step_time_settles():
     """Plain steps run until the last three lie within 25% of each other (a fresh process, or
     one whose memory other steps churned, runs slow at first), at most 20."""

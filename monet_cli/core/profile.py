@@ -143,7 +143,8 @@ class Overheads:
     segment_ms: float = 0.0
     """One checkpointed call, forward and backward, beyond re-running its ops and beyond
     ``saved_tensor_ms`` per saved tensor. Timed in the model's own step where steps are short
-    enough to pair (``profiler/in_step.py``), else on a chain of tanh ops."""
+    enough to pair (``profiler/in_step.py``), else on a few of its calls alone
+    (``profiler/alone.py``; a chain of tanh ops where none can run alone)."""
     first_frame_ms: float = 0.0
     """What the step pays once when it checkpoints anything, beyond each frame's ``segment_ms``.
     On tiny_gpt (batch 16, this 2-core CPU) one checkpointed GELU added 1.2 ms to the step,
@@ -156,12 +157,12 @@ class Overheads:
     ``segment_ms`` then covers a segment of 20 saved tensors)."""
     policy_op_ms: float = 0.0
     """Each op inside a segment with a selective keep policy (its dispatch modes run in forward and
-    recompute). Timed in the model's own step where ``segment_ms`` is, else on tanh ops."""
+    recompute). Timed where ``segment_ms`` is: in the step, on calls alone or on tanh ops."""
     python_op_ms: float = 0.0
     """What each op a recompute re-runs costs beyond what the profile prices it at (its share of
     the wall time of the code it runs, ``ModuleCall.time_ms``): a recompute runs during
-    backward, with checkpoint's unpacking around it. Timed in the model's own step where
-    ``segment_ms`` is (its largest calls checkpointed), else 0. A kept op pays it too: its code
+    backward, with checkpoint's unpacking around it. Timed in the model's own step (its largest
+    calls checkpointed) or on calls alone, where ``segment_ms`` is, else 0. A kept op pays it too: its code
     runs, its kernel does not. In profiles without wall times it also holds the code's cost."""
     range_op_ms: float = 0.0
     """Each of an op range's own ops beyond plain checkpoint's cost: written to the tape in the

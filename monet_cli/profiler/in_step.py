@@ -42,8 +42,8 @@ again, five more left 3.0 to 5.1 ms, all at one speed (the rest is the noise of 
 BatchNorm calls are left out, as they were when the sets ran under plain checkpoint (a
 recompute then updated their statistics again). The guards now prevent that; letting them in
 would change which calls the cheapest sets hold, and has not been measured. Where a step
-is too slow to pair ``MIN_PAIRS`` times in ``BUDGET_S``, the generic prices stay: a frame and
-a policy are then a small share of the step. A profile of fewer timed steps (``--steps``)
+is too slow to pair ``MIN_PAIRS`` times in ``BUDGET_S``, a few of its calls are timed alone instead
+(``alone.py``). A profile of fewer timed steps (``--steps``)
 pairs fewer: ``PAIRS_PER_STEP`` per step.
 
 ``as_written_step_ms`` pairs the prepared step with the model as its factory built it.
@@ -86,9 +86,9 @@ def price_in_step(workload: Workload, profile: Profile, steps: int) -> Overheads
     """``profile.overheads`` with ``first_frame_ms``, ``segment_ms``, ``python_op_ms`` and
     ``policy_op_ms`` timed in the step, where it fits the budget (``steps``: the profile's
     ``--steps``)."""
-    pairs = _pairs(profile.baseline.step_ms, steps)
-    if pairs < MIN_PAIRS:  # a slow step: nothing to pair, so no candidates to find
+    if not can_pair(profile.baseline.step_ms, steps):  # a slow step: ``alone.price_alone`` prices it
         return profile.overheads
+    pairs = _pairs(profile.baseline.step_ms, steps)
     unpriced = replace(profile, overheads=replace(profile.overheads, python_op_ms=0.0))
     model = SegmentModel(unpriced)
     cheapest = _calls(model, cheapest=True)
@@ -182,16 +182,20 @@ def as_written_step_ms(workload: Workload, step_ms: float, steps: int) -> float 
     Every schedule runs them out of place (selective checkpointing cannot keep a tensor an
     in-place op wrote), which the user's model does not: on the unet (batch 16, this CPU) that
     alone cost 7.5% of the step, which monet's predicted overhead had left out."""
-    pairs = _pairs(step_ms, steps)
-    if not workload.out_of_place or pairs < MIN_PAIRS:
+    if not workload.out_of_place or not can_pair(step_ms, steps):
         return None
 
     def switch(as_written: bool) -> None:
         for module in workload.out_of_place:
             module.inplace = as_written
 
-    prepared_ms, as_written_minus_prepared_ms = _paired(workload, switch, pairs)
+    prepared_ms, as_written_minus_prepared_ms = _paired(workload, switch, _pairs(step_ms, steps))
     return round(step_ms + as_written_minus_prepared_ms / (prepared_ms / step_ms), 4)
+
+
+def can_pair(step_ms: float, steps: int) -> bool:
+    """Whether a step of ``step_ms`` is short enough to pair ``MIN_PAIRS`` times in ``BUDGET_S``."""
+    return _pairs(step_ms, steps) >= MIN_PAIRS
 
 
 def _pairs(step_ms: float, steps: int) -> int:

@@ -25,21 +25,14 @@ from __future__ import annotations
 
 import copy
 import statistics
-import time
 import warnings
-from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any
-
-import torch
-from torch import nn
-from torch.utils._pytree import tree_flatten, tree_map
-from torch.utils.checkpoint import checkpoint
 
 from monet_cli.core.profile import Overheads, Profile
 from monet_cli.core.ranges import calls_made, own_op_count
 from monet_cli.core.schedule import SegmentDecision
 from monet_cli.core.segments import SegmentModel
+from monet_cli.profiler.alone import forward_of, inputs_of, interleaved, step_of
 from monet_cli.runtime.meter import MachineryMarker
 from monet_cli.runtime.ranges import RangeSegment
 from monet_cli.workload.step import Workload
@@ -131,20 +124,21 @@ def _probe(model: SegmentModel) -> _Probe | None:
 
 def _timed(workload: Workload, whole: SegmentDecision) -> _Times:
     module = dict(workload.model.named_modules())[whole.within]
-    inputs = _inputs_of(workload, module)
+    inputs = inputs_of(workload, module)
     plain, checkpointed, ranged = (copy.deepcopy(module) for _ in range(3))
     inside = dict(ranged.named_modules())
     calls = [inside[path.removeprefix(f"{whole.within}.")] for path in whole.calls]
     RangeSegment(whole, ranged, calls, MachineryMarker()).install()
     runs = (
-        _forward(plain, inputs),
-        _forward(checkpointed, inputs, checkpointed=True),
-        _forward(ranged, inputs),
-        _step(checkpointed, inputs, checkpointed=True),
-        _step(ranged, inputs),
+        forward_of(plain, inputs),
+        forward_of(checkpointed, inputs, checkpointed=True),
+        forward_of(ranged, inputs),
+        step_of(checkpointed, inputs, checkpointed=True),
+        step_of(ranged, inputs),
     )
+    interleaved(runs, workload, 1)  # warm-up
     forward, checkpoint_forward, range_forward, checkpointed_step, range_step = (
-        statistics.median(column) for column in zip(*_interleaved(runs, workload))
+        statistics.median(column) for column in zip(*interleaved(runs, workload, ROUNDS))
     )
     return _Times(
         forward_ms=forward,
@@ -153,63 +147,3 @@ def _timed(workload: Workload, whole: SegmentDecision) -> _Times:
         checkpoint_ms=checkpointed_step,
         range_ms=range_step,
     )
-
-
-def _inputs_of(workload: Workload, module: nn.Module) -> tuple[tuple, dict]:
-    """What ``module`` is called with in the step, from ``Workload.observe_forward``: floating
-    tensors as leaves that take gradients."""
-    taken: list[tuple[tuple, dict]] = []
-
-    def take(_module: nn.Module, args: tuple, kwargs: dict) -> None:
-        taken.append(tree_map(_leaf, (args, kwargs)))
-
-    handle = module.register_forward_pre_hook(take, with_kwargs=True)
-    try:
-        workload.observe_forward()
-    finally:
-        handle.remove()
-    (inputs,) = taken  # a segment candidate is called once per step
-    return inputs
-
-
-def _leaf(value: Any) -> Any:
-    if not isinstance(value, torch.Tensor):
-        return value
-    return value.detach().clone().requires_grad_(value.is_floating_point())
-
-
-def _forward(module: nn.Module, inputs: tuple[tuple, dict], *, checkpointed: bool = False) -> Callable[[], Any]:
-    args, kwargs = inputs
-
-    def run() -> Any:
-        return checkpoint(module, *args, use_reentrant=False, **kwargs) if checkpointed else module(*args, **kwargs)
-
-    return run
-
-
-def _step(module: nn.Module, inputs: tuple[tuple, dict], *, checkpointed: bool = False) -> Callable[[], None]:
-    forward = _forward(module, inputs, checkpointed=checkpointed)
-
-    def run() -> None:
-        output = forward()
-        outputs = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
-        torch.stack([t.float().sum() for t in outputs]).sum().backward()
-
-    return run
-
-
-def _interleaved(runs: tuple[Callable[[], Any], ...], workload: Workload) -> list[list[float]]:
-    """Each round's ms of every run, one after the other (the first round warms up)."""
-    rounds = []
-    for repeat in range(ROUNDS + 1):
-        times = []
-        for run in runs:
-            workload.sync()
-            start = time.perf_counter()
-            with workload.autocast():
-                run()
-            workload.sync()
-            times.append((time.perf_counter() - start) * 1000)
-        if repeat:
-            rounds.append(times)
-    return rounds

@@ -33,8 +33,9 @@ from monet_cli.core.profile import (
 )
 from monet_cli.core.variants import find_sites
 from monet_cli.errors import ModelError
+from monet_cli.profiler.alone import price_alone
 from monet_cli.profiler.capture import CallTimer, LifetimeRecorder, OpTimer, StepRecorder, Timings
-from monet_cli.profiler.in_step import as_written_step_ms, price_in_step
+from monet_cli.profiler.in_step import as_written_step_ms, can_pair, price_in_step
 from monet_cli.profiler.overheads import measure_overheads
 from monet_cli.profiler.probe import probe_overheads
 from monet_cli.profiler.rehearse import Rehearsal
@@ -128,8 +129,13 @@ def profile_model(
         build_profile(workload, recorder, lifetimes, timings, measurement.peak_bytes, measurement.meter, reasons),
         overheads=overheads,
     )
-    progress("pricing checkpoint in the step (once, per frame, per re-run op, the policy)")
-    profile = replace(profile, overheads=run_checked(lambda: price_in_step(workload, profile, steps), "pricing step"))
+    if can_pair(profile.baseline.step_ms, steps):
+        progress("pricing checkpoint in the step (once, per frame, per re-run op, the policy)")
+        overheads = run_checked(lambda: price_in_step(workload, profile, steps), "pricing step")
+    else:
+        progress("pricing checkpoint on a few calls alone (per frame, per re-run op, the policy)")
+        overheads = run_checked(lambda: price_alone(workload, profile), "timing a module alone")
+    profile = replace(profile, overheads=overheads)
     progress("pricing op ranges on the model's own code")
     profile = replace(
         profile, overheads=run_checked(lambda: probe_overheads(workload, profile), "timing a module alone")

@@ -42,9 +42,9 @@ again, five more left 3.0 to 5.1 ms, all at one speed (the rest is the noise of 
 BatchNorm calls are left out, as they were when the sets ran under plain checkpoint (a
 recompute then updated their statistics again). The guards now prevent that; letting them in
 would change which calls the cheapest sets hold, and has not been measured. Where a step
-is too slow to pair ``MIN_PAIRS`` times in ``BUDGET_S``, a few of its calls are timed alone instead
-(``alone.py``). A profile of fewer timed steps (``--steps``)
-pairs fewer: ``PAIRS_PER_STEP`` per step.
+is too slow to pair ``MIN_PAIRS`` times in ``BUDGET_S``, a few of its calls are timed alone
+instead (``alone.py``). A profile of fewer timed steps (``--steps``) pairs fewer:
+``PAIRS_PER_STEP`` per step.
 
 ``as_written_step_ms`` pairs the prepared step with the model as its factory built it.
 """

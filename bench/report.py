@@ -293,7 +293,8 @@ def analysis(result: dict[str, Any]) -> list[str]:
         lines.append(
             "- the prediction counts the wall time of the forward code a recompute re-runs (each module call "
             "timed in plain steps), the checkpoint machinery priced by `monet profile` (a frame, a re-run op's "
-            "extra and the selective policy timed in the model's own step where steps are short) and, at "
+            "extra and the selective policy timed in the model's own step where steps are short, else on a few "
+            "of its calls alone) and, at "
             "monet's points, running in-place activations out of place (the overhead is taken against the "
             "model as written); "
             'where the rest goes: "Where a checkpointed step\'s added time goes" below'
@@ -628,9 +629,10 @@ def time_gap_table(gap: dict[str, Any]) -> str:
         "Medians, in % of the unmodified step: measured parts of the step measured beside it, the model's parts of",
         'the step of its own profile (this machine\'s speed drifts between the two). "Recompute, model" is the',
         "wall time of the re-run blocks' forwards in the profile's plain steps (and the extra cost per re-run op",
-        'the profile priced: timed on a module alone before 2026-12-04, in the step since); "machinery, model"',
-        "what `monet profile` prices checkpoint itself",
-        "at (a frame timed in the model's own step where steps are short, its saved tensors on a synthetic chain);",
+        "the profile priced: timed on a module alone before 2026-12-04, then in the step, and since 12-05 18:40",
+        'on a few calls alone where steps are too slow to pair); "machinery, model" what `monet profile` prices',
+        "checkpoint itself at (a frame timed in the model's own step where steps are short, else on a few of its",
+        "calls alone; its saved tensors on a synthetic chain);",
         '"forward" the added forward (checkpoint\'s frames and packing);',
         '"backward rest" the added backward time outside the recompute (unpacking, the autograd engine).',
         '"Page faults": minor faults per step (memory the OS maps afresh; on this virtual machine each costs',

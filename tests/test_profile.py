@@ -546,6 +546,23 @@ def test_calls_timed_alone_run_on_copies_and_leave_the_model_as_it_was(resnet18_
     assert all(torch.equal(state[k], after[k]) for k in state), "the model's own BatchNorm statistics moved"
 
 
+def test_calls_alone_that_re_run_nothing_leave_the_policy_its_generic_price(monkeypatch, resnet18_profile):
+    """A call whose recompute stops before its first op (a single convolution) prices a frame,
+    but no op runs under the policy: ``policy_op_ms`` keeps the chain's price."""
+    from monet_cli.profiler import alone
+
+    calls = [c for c in resnet18_profile.calls if c.parent is not None][:3]
+    monkeypatch.setattr(alone, "_chosen", lambda _model: [c.index for c in calls])
+    timed = lambda _w, _m, _c, _share, *, policy: alone._Alone(  # noqa: E731
+        ops=0, unpriced_ms=0.8, policy_ms=0.5 if policy else None
+    )
+    monkeypatch.setattr(alone, "_timed", timed)
+    priced = alone.price_alone(None, resnet18_profile)
+    assert priced.policy_op_ms == resnet18_profile.overheads.policy_op_ms
+    assert priced.segment_ms == pytest.approx(resnet18_profile.overheads.segment_ms + 0.8, abs=1e-6)
+    assert priced.python_op_ms == 0.0
+
+
 def test_frame_and_op_prices_are_a_line_through_what_calls_added_alone():
     from monet_cli.profiler.alone import frame_and_op_ms
 

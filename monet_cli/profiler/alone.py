@@ -77,12 +77,13 @@ def price_alone(workload: Workload, profile: Profile) -> Overheads:
         return profile.overheads
     frame_ms, op_ms = frame_and_op_ms([(t.ops, t.unpriced_ms) for t in timed])
     policies = [t for t in timed if t.policy_ms is not None]
-    policy_ms = sum(t.policy_ms for t in policies) / sum(2 * t.ops for t in policies)  # forward and recompute
+    policy_ops = sum(2 * t.ops for t in policies)  # forward and recompute
+    policy_op_ms = sum(t.policy_ms for t in policies) / policy_ops if policy_ops else profile.overheads.policy_op_ms
     return replace(
         profile.overheads,
         segment_ms=round(profile.overheads.segment_ms + frame_ms, 6),
         python_op_ms=round(op_ms, 6),
-        policy_op_ms=round(max(0.0, policy_ms), 6),
+        policy_op_ms=round(max(0.0, policy_op_ms), 6),
     )
 
 

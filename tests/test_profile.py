@@ -513,7 +513,7 @@ def test_a_slow_step_prices_checkpoint_on_a_few_calls_alone(monkeypatch, resnet1
         forward.selective = selective
         return forward
 
-    monkeypatch.setattr(alone, "inputs_of", lambda _workload, module: fqn_of[id(module)])
+    monkeypatch.setattr(alone, "inputs_of", lambda _workload, modules: [fqn_of[id(m)] for m in modules])
     monkeypatch.setattr(alone, "forward_of", lambda module, fqn: ("forward", module, fqn))
     monkeypatch.setattr(alone, "step_of", lambda module, fqn: ("step", module, fqn))
     monkeypatch.setattr(alone, "interleaved", interleaved)
@@ -553,11 +553,12 @@ def test_calls_alone_that_re_run_nothing_leave_the_policy_its_generic_price(monk
 
     calls = [c for c in resnet18_profile.calls if c.parent is not None][:3]
     monkeypatch.setattr(alone, "_chosen", lambda _model: [c.index for c in calls])
-    timed = lambda _w, _m, _c, _share, *, policy: alone._Alone(  # noqa: E731
+    timed = lambda _w, _m, _c, _subject, _share, *, policy: alone._Alone(  # noqa: E731
         ops=0, unpriced_ms=0.8, policy_ms=0.5 if policy else None
     )
     monkeypatch.setattr(alone, "_timed", timed)
-    priced = alone.price_alone(None, resnet18_profile)
+    monkeypatch.setattr(alone, "inputs_of", lambda _workload, modules: [None] * len(modules))
+    priced = alone.price_alone(build_workload(small_spec(), CPU), resnet18_profile)
     assert priced.policy_op_ms == resnet18_profile.overheads.policy_op_ms
     assert priced.segment_ms == pytest.approx(resnet18_profile.overheads.segment_ms + 0.8, abs=1e-6)
     assert priced.python_op_ms == 0.0

@@ -67,8 +67,14 @@ def price_alone(workload: Workload, profile: Profile) -> Overheads:
     if not calls:
         return profile.overheads
     share_ms = BUDGET_S * 1000.0 / len(calls)
+    named = dict(workload.model.named_modules())
+    modules = [named[model.segments[c].fqn] for c in calls]
     try:
-        timed = [_timed(workload, model, c, share_ms, policy=c in calls[:LARGEST]) for c in calls]
+        inputs = inputs_of(workload, modules)  # one forward for all of them
+        timed = [
+            _timed(workload, model, c, (module, given), share_ms, policy=c in calls[:LARGEST])
+            for c, module, given in zip(calls, modules, inputs)
+        ]
     except Exception as err:  # a call that cannot run alone: the model's own step is not at stake
         warnings.warn(
             f"monet: checkpoint keeps its generic prices: timing a call alone failed ({type(err).__name__}: {err})",
@@ -137,10 +143,18 @@ class _Alone:
     """What the policy keeping nothing added to checkpointing it, in the profile's time (None: not timed)."""
 
 
-def _timed(workload: Workload, model: SegmentModel, call: int, share_ms: float, *, policy: bool) -> _Alone:
+def _timed(
+    workload: Workload,
+    model: SegmentModel,
+    call: int,
+    subject: tuple[nn.Module, tuple[tuple, dict]],
+    share_ms: float,
+    *,
+    policy: bool,
+) -> _Alone:
+    """``call`` timed alone: ``subject`` is its module and the inputs it gets in the step."""
     seg = model.segments[call]
-    module = dict(workload.model.named_modules())[seg.fqn]
-    inputs = inputs_of(workload, module)
+    module, inputs = subject
     plain = copy.deepcopy(module)
     versions = [_as_scheduled(module, selective) for selective in ((False, True) if policy else (False,))]
     runs = (forward_of(plain, inputs), step_of(plain, inputs), *(step_of(v, inputs) for v in versions))
@@ -164,21 +178,24 @@ def _as_scheduled(module: nn.Module, selective: bool) -> nn.Module:
     return version
 
 
-def inputs_of(workload: Workload, module: nn.Module) -> tuple[tuple, dict]:
-    """What ``module`` is called with in the step, from ``Workload.observe_forward``: floating
-    tensors as leaves that take gradients."""
-    taken: list[tuple[tuple, dict]] = []
+def inputs_of(workload: Workload, modules: list[nn.Module]) -> list[tuple[tuple, dict]]:
+    """What each of ``modules`` is called with in the step, from one ``Workload.observe_forward``:
+    floating tensors as leaves that take gradients."""
+    taken: list[list[tuple[tuple, dict]]] = [[] for _ in modules]
 
-    def take(_module: nn.Module, args: tuple, kwargs: dict) -> None:
-        taken.append(tree_map(_leaf, (args, kwargs)))
+    def taker(slot: list[tuple[tuple, dict]]) -> Callable[[nn.Module, tuple, dict], None]:
+        def take(_module: nn.Module, args: tuple, kwargs: dict) -> None:
+            slot.append(tree_map(_leaf, (args, kwargs)))
 
-    handle = module.register_forward_pre_hook(take, with_kwargs=True)
+        return take
+
+    handles = [m.register_forward_pre_hook(taker(slot), with_kwargs=True) for m, slot in zip(modules, taken)]
     try:
         workload.observe_forward()
     finally:
-        handle.remove()
-    (inputs,) = taken  # a segment candidate is called once per step
-    return inputs
+        for handle in handles:
+            handle.remove()
+    return [inputs for (inputs,) in taken]  # a segment candidate is called once per step
 
 
 def _leaf(value: Any) -> Any:

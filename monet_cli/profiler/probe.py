@@ -124,7 +124,7 @@ def _probe(model: SegmentModel) -> _Probe | None:
 
 def _timed(workload: Workload, whole: SegmentDecision) -> _Times:
     module = dict(workload.model.named_modules())[whole.within]
-    inputs = inputs_of(workload, module)
+    (inputs,) = inputs_of(workload, [module])
     plain, checkpointed, ranged = (copy.deepcopy(module) for _ in range(3))
     inside = dict(ranged.named_modules())
     calls = [inside[path.removeprefix(f"{whole.within}.")] for path in whole.calls]

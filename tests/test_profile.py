@@ -365,6 +365,17 @@ def test_checkpoint_machinery_is_priced_per_saved_tensor(resnet18_profile):
     assert model.overhead_ms(outer, frame=frame) == pytest.approx(0.5 + 0.01 * frame.saves + recorder(outer))
 
 
+def _stub_checkpointed_forward(module, keep, marker, *, selective=False):
+    """The executor's checkpointed forward for stubbed timings: it says whether it runs the
+    keep policy, and runs nothing."""
+
+    def forward(*_args, **_kwargs):
+        raise AssertionError("the stubbed timings run no forward")
+
+    forward.selective = selective
+    return forward
+
+
 def test_checkpoint_s_frame_and_policy_are_priced_in_the_step(resnet18_profile, monkeypatch):
     """The cheapest calls to checkpoint (none nested in another, no BatchNorm), the few
     cheapest of them and the largest run checkpointed in the real step against plain steps,
@@ -408,15 +419,8 @@ def test_checkpoint_s_frame_and_policy_are_priced_in_the_step(resnet18_profile, 
             walls_timed[0] += 1
             return step_speed * 10.0, walls
 
-    def checkpointed_forward(module, keep, marker, *, selective=False):
-        def forward(*_args, **_kwargs):
-            raise AssertionError("the stubbed steps run no forward")
-
-        forward.selective = selective
-        return forward
-
     monkeypatch.setattr(in_step, "CallTimer", CallTimer)
-    monkeypatch.setattr(in_step, "checkpointed_forward", checkpointed_forward)
+    monkeypatch.setattr(in_step, "checkpointed_forward", _stub_checkpointed_forward)
     index = {model.calls[c].fqn: c for c in model.segments}
     workload = build_workload(small_spec(), CPU)
     modules = dict(workload.model.named_modules())
@@ -506,18 +510,11 @@ def test_a_slow_step_prices_checkpoint_on_a_few_calls_alone(monkeypatch, resnet1
         timed.extend((fqn, rounds) for _, _, fqn in runs[:1])
         return [[ms(kind, module, index[fqn]) for kind, module, fqn in runs]] * rounds
 
-    def checkpointed_forward(module, keep, marker, *, selective=False):
-        def forward(*_args, **_kwargs):
-            raise AssertionError("the stubbed timings run no forward")
-
-        forward.selective = selective
-        return forward
-
     monkeypatch.setattr(alone, "inputs_of", lambda _workload, modules: [fqn_of[id(m)] for m in modules])
     monkeypatch.setattr(alone, "forward_of", lambda module, fqn: ("forward", module, fqn))
     monkeypatch.setattr(alone, "step_of", lambda module, fqn: ("step", module, fqn))
     monkeypatch.setattr(alone, "interleaved", interleaved)
-    monkeypatch.setattr(alone, "checkpointed_forward", checkpointed_forward)
+    monkeypatch.setattr(alone, "checkpointed_forward", _stub_checkpointed_forward)
     priced = alone.price_alone(workload, profile)
     assert priced.segment_ms == pytest.approx(profile.overheads.segment_ms + frame_ms, abs=1e-5)
     assert priced.python_op_ms == pytest.approx(op_ms, abs=1e-6)

@@ -472,6 +472,41 @@ def test_checkpoint_s_frame_and_policy_are_priced_in_the_step(resnet18_profile, 
     assert in_step.price_in_step(workload, slow, 3) == profile.overheads  # too few pairs fit: generic prices
 
 
+def test_a_measurement_in_the_step_keeps_to_its_budget_warm_up_and_walls_steps_included(monkeypatch):
+    """The pairs, their warm-up and the plain steps whose calls are timed between them all
+    fit ``BUDGET_S``, whatever the step's length; a step too long for ``MIN_PAIRS`` is not paired."""
+    from monet_cli.profiler import in_step
+    from monet_cli.profiler.capture import Timings
+
+    clock_ms = [0.0]
+
+    class Machine:
+        def __init__(self, step_ms: float) -> None:
+            self.step_ms = step_ms
+
+        def timed_step(self) -> float:
+            clock_ms[0] += self.step_ms
+            return self.step_ms
+
+    class CallTimer:
+        def __init__(self, workload: Machine) -> None:
+            self.workload = workload
+
+        def step(self) -> tuple[float, list[float]]:
+            return self.workload.timed_step(), []
+
+    monkeypatch.setattr(in_step, "CallTimer", CallTimer)
+    paired = []
+    for step_ms in (5.0, 60.0, 150.0, 250.0, 290.0, 300.0, 450.0):
+        if not in_step.can_pair(step_ms, 3):
+            continue
+        clock_ms[0] = 0.0
+        in_step._paired(Machine(step_ms), lambda _second: None, in_step._pairs(step_ms, 3), Timings())
+        assert clock_ms[0] <= in_step.BUDGET_S * 1000.0, step_ms
+        paired.append(step_ms)
+    assert paired == [5.0, 60.0, 150.0, 250.0, 290.0]
+
+
 def test_a_slow_step_prices_checkpoint_on_a_few_calls_alone(monkeypatch, resnet18_profile):
     """Where the step is too slow to pair, the largest calls that fit the budget and the
     cheapest to checkpoint run alone, on copies, each checkpointed as a schedule runs it (its

@@ -162,11 +162,13 @@ def test_estimate_says_when_it_cannot_tell():
     bound lies below it, neither verdict holds: exit 4, not 7. (On the H200 resnet50 profile a
     60 s search finds a 958 MiB schedule, so "does not fit in 1 GiB" would have been wrong.)"""
     profile = str(Path(__file__).parent / "data" / "h200-resnet50-bf16.profile.yaml")
-    short = monet("estimate", profile, "--fits", "1G", "--time-limit", "1", "--json")
+    short = monet("estimate", profile, "--fits", "1G", "--time-limit", "1", "--workers", "1", "--json")
     assert short.exit_code == 4 and "cannot tell whether it fits in 1.00 GiB" in short.stderr
     data = json.loads(short.stdout)
     assert data["verdict"] == "undetermined"
     assert data["min_peak_lower_bound_bytes"] <= 2**30 < data["min_peak_bytes"]
+    none = monet("estimate", profile, "--workers", "0")
+    assert none.exit_code == 2 and "--workers must be at least 1, got 0" in none.stderr
 
 
 def test_inspect_profile_and_schedule(solved, tmp_path):

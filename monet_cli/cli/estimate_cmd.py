@@ -79,8 +79,8 @@ def _available_host_memory() -> int:
     raise UsageError("--fits auto: cannot read this machine's available memory; give a size such as 8G")
 
 
-def estimate(profile: Profile, source: str, fits: str | None, *, time_limit_s: float) -> Estimate:
-    minimum = Planner(SegmentModel(profile)).minimum_peak(time_limit_s=time_limit_s, workers=1, seed=0)
+def estimate(profile: Profile, source: str, fits: str | None, *, time_limit_s: float, workers: int) -> Estimate:
+    minimum = Planner(SegmentModel(profile)).minimum_peak(time_limit_s=time_limit_s, workers=workers, seed=0)
     cap = capacity(fits, profile.device.type) if fits is not None else None
     verdict = None
     if cap is not None:

@@ -11,6 +11,7 @@ from monet_cli.errors import EXIT_CODE_TABLE
 EXIT_CODES_HELP = "Exit codes: " + "; ".join(f"{code} {text}" for code, text in EXIT_CODE_TABLE) + "."
 
 JsonOutput = Annotated[bool, typer.Option("--json", help="Print the result as JSON on stdout.")]
+Workers = Annotated[Optional[int], typer.Option(help="CP-SAT workers. Default: CPU cores (max 8); 1 when CI is set.")]
 
 # The options that build a training step (profile, estimate).
 BatchSize = Annotated[Optional[int], typer.Option("--batch-size", "-b", help="Samples per step.")]

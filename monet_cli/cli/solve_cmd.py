@@ -40,8 +40,12 @@ def newest(pattern: str, what: str) -> Path:
     return found[-1]
 
 
-def default_workers() -> int:
-    """One worker (deterministic) in CI, else up to 8 cores."""
+def workers_or_default(workers: int | None) -> int:
+    """``--workers``, checked; without it one worker (deterministic) in CI, else up to 8 cores."""
+    if workers is not None:
+        if workers < 1:
+            raise UsageError(f"--workers must be at least 1, got {workers}")
+        return workers
     if os.environ.get("CI"):
         return 1
     return max(1, min(8, os.cpu_count() or 1))
@@ -158,10 +162,9 @@ def _inputs(args: SolveArgs) -> tuple[Path, Profile, int]:
         raise UsageError(f"--time-limit must be positive, got {args.time_limit:g}")
     if not 0 <= args.gap < 1:
         raise UsageError(f"--gap must be at least 0 and below 1 (0.01 = 1%), got {args.gap:g}")
-    if args.workers is not None and args.workers < 1:
-        raise UsageError(f"--workers must be at least 1, got {args.workers}")
+    workers = workers_or_default(args.workers)
     profile_path = args.profile or newest("configs/*.profile.yaml", "profile")
-    return profile_path, load_profile(profile_path), args.workers or default_workers()
+    return profile_path, load_profile(profile_path), workers
 
 
 def run(args: SolveArgs) -> None:

@@ -19,6 +19,7 @@ from monet_cli.cli.options import (
     ModelArg,
     OptimizerName,
     PrecisionOption,
+    Workers,
 )
 
 HELP = (
@@ -45,12 +46,14 @@ def estimate(
     time_limit: Annotated[
         float, typer.Option("--time-limit", help="Seconds for the search for the smallest peak.")
     ] = 10.0,
+    workers: Workers = None,
     json_output: JsonOutput = False,
 ) -> None:
-    from monet_cli.cli import estimate_cmd
+    from monet_cli.cli import estimate_cmd, solve_cmd
     from monet_cli.cli.render import print_json, print_pairs, stderr
 
     with user_errors():
+        workers = solve_cmd.workers_or_default(workers)
         if estimate_cmd.is_profile_file(target):
             from monet_cli.core.profile import load_profile
 
@@ -77,7 +80,7 @@ def estimate(
                     precision=precision,
                 )
             )
-        result = estimate_cmd.estimate(profile, target, fits, time_limit_s=time_limit)
+        result = estimate_cmd.estimate(profile, target, fits, time_limit_s=time_limit, workers=workers)
         if json_output:
             print_json(estimate_cmd.as_dict(result))
         else:

@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 import typer
 
 from monet_cli.cli.errors import user_errors
-from monet_cli.cli.options import EXIT_CODES_HELP, JsonOutput
+from monet_cli.cli.options import EXIT_CODES_HELP, JsonOutput, Workers
 
 HELP = (
     "Choose which activations to keep or recompute so the step fits --budget, and write a schedule.\n\n"
@@ -35,9 +35,7 @@ def solve(
             "possible (0.01 = 1%); 0: prove it optimal or run to --time-limit."
         ),
     ] = 0.01,
-    workers: Annotated[
-        Optional[int], typer.Option(help="CP-SAT workers. Default: CPU cores (max 8); 1 when CI is set.")
-    ] = None,
+    workers: Workers = None,
     seed: Annotated[int, typer.Option(help="CP-SAT random seed.")] = 0,
     sweep: Annotated[
         Optional[str],

@@ -90,11 +90,13 @@ def test_apply_holds_budget_and_gradients(workdir: Path):
         "baseline_peak_bytes",
         "step_ms",
         "baseline_step_ms",
+        "predicted_overhead",
         "grads_match",
         "within_budget",
         "check",
     ]
     assert report["grads_match"] is None and report["check"] is None and report["within_budget"] is True
+    assert report["predicted_overhead"] == load_schedule(path).predicted.overhead
     assert report["measured_peak_bytes"] <= report["budget_bytes"]
     assert abs(report["predicted_peak_bytes"] - report["measured_peak_bytes"]) <= 0.02 * report["measured_peak_bytes"]
     checked = json.loads(monet("apply", str(path), "--steps", "1", "--check", "--json").stdout)

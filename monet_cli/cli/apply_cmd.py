@@ -31,6 +31,7 @@ def report_json(report) -> dict[str, Any]:
         "baseline_peak_bytes": report.baseline_peak_bytes,
         "step_ms": report.step_ms,
         "baseline_step_ms": report.baseline_step_ms,
+        "predicted_overhead": report.predicted_overhead,
         "grads_match": None if report.check is None else report.check.ok,
         "within_budget": report.within_budget,
         "check": None if report.check is None else check_json(report.check),
@@ -68,9 +69,11 @@ def report_table(report, schedule_path: str):
     )
     table.add_row("baseline peak", str(report.baseline_peak_bytes), format_bytes(report.baseline_peak_bytes))
     table.add_row("prediction error", "", f"{100 * report.prediction_error:+.2f}% of measured")
-    overhead = report.step_ms / report.baseline_step_ms - 1 if report.baseline_step_ms else 0.0
     table.add_row(
-        "step time", "", f"{report.step_ms:.1f} ms vs {report.baseline_step_ms:.1f} ms ({100 * overhead:+.1f}%)"
+        "step time",
+        "",
+        f"{report.step_ms:.1f} ms vs {report.baseline_step_ms:.1f} ms ({100 * report.overhead:+.1f}%; "
+        f"predicted {100 * report.predicted_overhead:+.1f}%)",
     )
     if report.check is not None:
         c = report.check

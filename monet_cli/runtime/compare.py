@@ -78,6 +78,8 @@ class ApplyReport:
     baseline_peak_bytes: int
     step_ms: float
     baseline_step_ms: float
+    predicted_overhead: float
+    """The schedule's (``Predicted.overhead``), to set beside the measured ``overhead``."""
     check: CheckResult | None
     meter: str
     timeline: tuple[int, ...] = ()
@@ -87,6 +89,11 @@ class ApplyReport:
     @property
     def within_budget(self) -> bool:
         return self.measured_peak_bytes <= self.budget_bytes
+
+    @property
+    def overhead(self) -> float:
+        """The scheduled step's median over the unmodified one's, minus 1."""
+        return self.step_ms / self.baseline_step_ms - 1 if self.baseline_step_ms else 0.0
 
     @property
     def prediction_error(self) -> float:
@@ -300,6 +307,7 @@ def run_apply(
         baseline_peak_bytes=base_peak.peak_bytes,
         step_ms=round(statistics.median(sched_ms), 3),
         baseline_step_ms=round(statistics.median(base_ms), 3),
+        predicted_overhead=schedule.predicted.overhead,
         check=result,
         meter=sched_peak.meter,
         timeline=sched_peak.timeline,

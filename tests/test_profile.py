@@ -585,7 +585,7 @@ def test_calls_alone_that_re_run_nothing_leave_the_policy_its_generic_price(monk
 
     calls = [c for c in resnet18_profile.calls if c.parent is not None][:3]
     monkeypatch.setattr(alone, "_chosen", lambda _model: [c.index for c in calls])
-    timed = lambda _w, _m, _c, _subject, _share, *, policy: alone._Alone(  # noqa: E731
+    timed = lambda _w, _m, _c, _module, _inputs, _share, *, policy: alone._Alone(  # noqa: E731
         ops=0, unpriced_ms=0.8, policy_ms=0.5 if policy else None
     )
     monkeypatch.setattr(alone, "_timed", timed)

@@ -72,7 +72,7 @@ def price_alone(workload: Workload, profile: Profile) -> Overheads:
     try:
         inputs = inputs_of(workload, modules)  # one forward for all of them
         timed = [
-            _timed(workload, model, c, (module, given), share_ms, policy=c in calls[:LARGEST])
+            _timed(workload, model, c, module, given, share_ms, policy=c in calls[:LARGEST])
             for c, module, given in zip(calls, modules, inputs)
         ]
     except Exception as err:  # a call that cannot run alone: the model's own step is not at stake
@@ -147,14 +147,14 @@ def _timed(
     workload: Workload,
     model: SegmentModel,
     call: int,
-    subject: tuple[nn.Module, tuple[tuple, dict]],
+    module: nn.Module,
+    inputs: tuple[tuple, dict],
     share_ms: float,
     *,
     policy: bool,
 ) -> _Alone:
-    """``call`` timed alone: ``subject`` is its module and the inputs it gets in the step."""
+    """``call`` timed alone: ``module`` is its module, ``inputs`` what it gets in the step."""
     seg = model.segments[call]
-    module, inputs = subject
     plain = copy.deepcopy(module)
     versions = [_as_scheduled(module, selective) for selective in ((False, True) if policy else (False,))]
     runs = (forward_of(plain, inputs), step_of(plain, inputs), *(step_of(v, inputs) for v in versions))

@@ -181,21 +181,18 @@ def _as_scheduled(module: nn.Module, selective: bool) -> nn.Module:
 def inputs_of(workload: Workload, modules: list[nn.Module]) -> list[tuple[tuple, dict]]:
     """What each of ``modules`` is called with in the step, from one ``Workload.observe_forward``:
     floating tensors as leaves that take gradients."""
-    taken: list[list[tuple[tuple, dict]]] = [[] for _ in modules]
+    taken: dict[int, list[tuple[tuple, dict]]] = {id(m): [] for m in modules}
 
-    def taker(slot: list[tuple[tuple, dict]]) -> Callable[[nn.Module, tuple, dict], None]:
-        def take(_module: nn.Module, args: tuple, kwargs: dict) -> None:
-            slot.append(tree_map(_leaf, (args, kwargs)))
+    def take(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        taken[id(module)].append(tree_map(_leaf, (args, kwargs)))
 
-        return take
-
-    handles = [m.register_forward_pre_hook(taker(slot), with_kwargs=True) for m, slot in zip(modules, taken)]
+    handles = [m.register_forward_pre_hook(take, with_kwargs=True) for m in modules]
     try:
         workload.observe_forward()
     finally:
         for handle in handles:
             handle.remove()
-    return [inputs for (inputs,) in taken]  # a segment candidate is called once per step
+    return [inputs for (inputs,) in (taken[id(m)] for m in modules)]  # a segment candidate is called once per step
 
 
 def _leaf(value: Any) -> Any:

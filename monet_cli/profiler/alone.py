@@ -53,6 +53,8 @@ LARGEST, CHEAPEST = 2, 2
 """Calls timed alone: the largest (most ops) that fit the budget, and the cheapest to checkpoint."""
 BUDGET_S = 16.0
 """For all the calls timed alone, shared evenly."""
+SHARE_MS = BUDGET_S * 1000.0 / (LARGEST + CHEAPEST)
+"""Each call's share, which picks the calls that fit and sizes their rounds."""
 ROUND_WALLS = 12.0
 """A round of a call's versions (its forward, and its step plain, checkpointed and under the
 policy) in multiples of the call's forward wall time, to pick calls that fit the budget."""
@@ -66,13 +68,12 @@ def price_alone(workload: Workload, profile: Profile) -> Overheads:
     calls = _chosen(model)
     if not calls:
         return profile.overheads
-    share_ms = BUDGET_S * 1000.0 / len(calls)
     named = dict(workload.model.named_modules())
     modules = [named[model.segments[c].fqn] for c in calls]
     try:
         inputs = inputs_of(workload, modules)  # one forward for all of them
         timed = [
-            _timed(workload, model, c, module, given, share_ms, policy=c in calls[:LARGEST])
+            _timed(workload, model, c, module, given, policy=c in calls[:LARGEST])
             for c, module, given in zip(calls, modules, inputs)
         ]
     except Exception as err:  # a call that cannot run alone: the model's own step is not at stake
@@ -126,8 +127,7 @@ def _chosen(model: SegmentModel) -> list[int]:
         and (profile.calls[c].time_ms or 0.0) > 0.0  # its forward alone against it gives the speed
         and "BatchNorm" not in profile.calls[c].type
     ]
-    share_ms = BUDGET_S * 1000.0 / (LARGEST + CHEAPEST)
-    fitting = [c for c in candidates if ROUND_WALLS * profile.calls[c].time_ms * MIN_ROUNDS <= share_ms]
+    fitting = [c for c in candidates if ROUND_WALLS * profile.calls[c].time_ms * MIN_ROUNDS <= SHARE_MS]
     largest = sorted(fitting, key=lambda c: (model.segments[c].first_op - model.segments[c].end_op, c))[:LARGEST]
     rest = sorted((c for c in fitting if c not in largest), key=lambda c: (model.added_ms(c), c))
     return largest + rest[:CHEAPEST]
@@ -149,7 +149,6 @@ def _timed(
     call: int,
     module: nn.Module,
     inputs: tuple[tuple, dict],
-    share_ms: float,
     *,
     policy: bool,
 ) -> _Alone:
@@ -159,7 +158,7 @@ def _timed(
     versions = [_as_scheduled(module, selective) for selective in ((False, True) if policy else (False,))]
     runs = (forward_of(plain, inputs), step_of(plain, inputs), *(step_of(v, inputs) for v in versions))
     warm_up = interleaved(runs, workload, 1)[0]
-    rounds = interleaved(runs, workload, min(MAX_ROUNDS, max(MIN_ROUNDS, int(share_ms / sum(warm_up)))))
+    rounds = interleaved(runs, workload, min(MAX_ROUNDS, max(MIN_ROUNDS, int(SHARE_MS / sum(warm_up)))))
     speed = statistics.median(r[0] for r in rounds) / model.profile.calls[call].time_ms  # now over the profile's steps
     added = statistics.median(r[2] - r[1] for r in rounds) / speed
     return _Alone(
@@ -170,12 +169,17 @@ def _timed(
 
 
 def _as_scheduled(module: nn.Module, selective: bool) -> nn.Module:
-    """A copy of ``module`` checkpointed as a schedule runs it, keeping nothing (``selective``:
-    under the keep policy all the same), its BatchNorms guarded."""
+    """A copy of ``module`` checkpointed as a schedule runs it, its BatchNorms guarded."""
     version = copy.deepcopy(module)
-    version.forward = checkpointed_forward(version, frozenset(), MachineryMarker(), selective=selective)
+    version.forward = keeping_nothing(version, selective=selective)
     guard_batchnorms(version)  # a copy: no guard to remove after
     return version
+
+
+def keeping_nothing(module: nn.Module, *, selective: bool = False) -> Callable[..., Any]:
+    """``module``'s forward as a schedule checkpoints it keeping nothing (``selective``: under
+    the keep policy all the same, which prices the policy)."""
+    return checkpointed_forward(module, frozenset(), MachineryMarker(), selective=selective)
 
 
 def inputs_of(workload: Workload, modules: list[nn.Module]) -> list[tuple[tuple, dict]]:

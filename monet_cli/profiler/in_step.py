@@ -61,9 +61,9 @@ from torch import nn
 
 from monet_cli.core.profile import Overheads, Profile
 from monet_cli.core.segments import SegmentModel
+from monet_cli.profiler.alone import keeping_nothing
 from monet_cli.profiler.capture import CallTimer, Timings, retimed
-from monet_cli.runtime.executor import checkpointed_forward, guard_batchnorms
-from monet_cli.runtime.meter import MachineryMarker
+from monet_cli.runtime.executor import guard_batchnorms
 from monet_cli.workload.step import Workload
 
 FRAMES = 16
@@ -86,10 +86,8 @@ the same stretch of time."""
 
 def price_in_step(workload: Workload, profile: Profile, steps: int) -> Overheads:
     """``profile.overheads`` with ``first_frame_ms``, ``segment_ms``, ``python_op_ms`` and
-    ``policy_op_ms`` timed in the step, where it fits the budget (``steps``: the profile's
-    ``--steps``)."""
-    if not can_pair(profile.baseline.step_ms, steps):  # a slow step: ``alone.price_alone`` prices it
-        return profile.overheads
+    ``policy_op_ms`` timed in the step (``steps``: the profile's ``--steps``), for a step that
+    ``can_pair``; ``alone.price_alone`` prices the others."""
     pairs = _pairs(profile.baseline.step_ms, steps)
     unpriced = replace(profile, overheads=replace(profile.overheads, python_op_ms=0.0))
     model = SegmentModel(unpriced)
@@ -256,10 +254,8 @@ class _Toggle:
         self.module = module
         self.own = module.__dict__.get("forward")
         """A forward set on the instance before (None: the class's)."""
-        marker = MachineryMarker()
-        checkpointed = checkpointed_forward(module, frozenset(), marker)
-        selective = checkpointed_forward(module, frozenset(), marker, selective=True) if policy else None
-        self.versions = (checkpointed, selective) if policy else (None, checkpointed)
+        checkpointed = keeping_nothing(module)
+        self.versions = (checkpointed, keeping_nothing(module, selective=True)) if policy else (None, checkpointed)
         """The two versions; None: the plain forward."""
         self.unguard = guard_batchnorms(module)
 

@@ -17,14 +17,18 @@ from monet_cli.core.allocator import (
     CachingAllocator,
     cuda_block_bytes,
     leaves_blocks_unsplit,
+    max_split_bytes,
+    non_split_rounding_bytes,
     roundup_divisions,
+    same_counting,
 )
-from monet_cli.core.profile import load_profile
+from monet_cli.core.codec import to_data
+from monet_cli.core.profile import load_profile, profile_from_data
 from monet_cli.core.segments import SegmentModel
 from monet_cli.core.simulate import peak_breakdown, simulate
 from monet_cli.core.solver.linear import LinearMemory
 from monet_cli.core.solver.search import Planner
-from monet_cli.errors import UsageError
+from monet_cli.errors import FileFormatError, UsageError
 from monet_cli.runtime.meter import LiveStorageMeter, cuda_allocated_bytes
 
 
@@ -89,6 +93,52 @@ def test_a_large_request_takes_the_smallest_cached_block_that_holds_it():
     assert allocator.allocated_bytes == 16 * MiB
     allocator.malloc(14 * MiB)  # the 30 MiB block, split: 16 MiB stay cached
     assert allocator.allocated_bytes == 30 * MiB
+
+
+def test_with_max_split_size_a_large_block_at_or_over_it_is_never_split():
+    """PyTorch's ``get_free_block`` and ``should_split`` under ``max_split_size_mb:128``: a block
+    of 128 MiB or more serves no smaller request, serves a larger one whole only if less than
+    20 MiB (``max_non_split_rounding_mb``) larger, and is never split."""
+    capped, native = CachingAllocator(max_split_bytes=128 * MiB), CachingAllocator()
+    for allocator in (capped, native):
+        allocator.free(allocator.malloc(160 * MiB))  # a 160 MiB segment, cached
+    taken = capped.malloc(150 * MiB)  # 160 < 150 + 20: the cached block, whole
+    assert capped.allocated_bytes == 160 * MiB
+    assert native.malloc(150 * MiB) and native.allocated_bytes == 150 * MiB  # split: 10 MiB stay cached
+    capped.free(taken)
+    capped.malloc(100 * MiB)  # under 128 MiB: not from the 160 MiB block, a new segment
+    assert capped.allocated_bytes == 100 * MiB
+    capped.malloc(140 * MiB)  # 160 >= 140 + 20: a new segment again
+    assert capped.allocated_bytes == 240 * MiB
+    capped.malloc(141 * MiB)  # 160 < 141 + 20: the cached block, whole
+    assert capped.allocated_bytes == 400 * MiB
+    wider = CachingAllocator(max_split_bytes=128 * MiB, non_split_rounding_bytes=64 * MiB)
+    wider.free(wider.malloc(200 * MiB))
+    wider.malloc(140 * MiB)  # within 64 MiB: the 200 MiB block, whole
+    assert wider.allocated_bytes == 200 * MiB
+
+
+def test_the_split_settings_are_read_from_the_allocator_conf_and_a_profile_refuses_a_bad_one(h200):
+    assert max_split_bytes("") is None and non_split_rounding_bytes("") == 20 * MiB
+    conf = "expandable_segments:False,max_split_size_mb:128,max_non_split_rounding_mb:64"
+    assert (max_split_bytes(conf), non_split_rounding_bytes(conf)) == (128 * MiB, 64 * MiB)
+    assert not same_counting("", "max_split_size_mb:128")
+    assert not same_counting("max_split_size_mb:128", "max_split_size_mb:128,max_non_split_rounding_mb:64")
+    assert same_counting("max_split_size_mb:128", "max_split_size_mb:128,expandable_segments:False")
+    data = to_data(h200)
+    data["device"]["alloc_conf"] = "max_split_size_mb:lots"
+    with pytest.raises(FileFormatError, match="max_split_size_mb:lots"):
+        profile_from_data(data, source="edited.yaml")
+
+
+def test_the_simulator_replays_blocks_under_the_profile_s_max_split_size(h200):
+    """The same H200 step replayed under ``max_split_size_mb:21``: blocks of 21 MiB or more stay
+    whole, and the predicted peak is the replay under those rules, not the defaults'."""
+    default = simulate(h200, {})
+    capped_profile = replace(h200, device=replace(h200.device, alloc_conf="max_split_size_mb:21"))
+    capped = simulate(capped_profile, {})
+    assert capped.requested_peak_bytes == default.requested_peak_bytes
+    assert capped.peak_bytes > default.peak_bytes + 32 * MiB  # 3103.0 against 3061.0 MiB
 
 
 def _every_block_split(profile):
@@ -239,7 +289,8 @@ def test_inspect_takes_a_cuda_profile_whose_schedule_predicted_the_requests_sum(
 
 def test_apply_warns_where_the_allocator_counts_blocks_otherwise(h200, monkeypatch):
     """A CUDA schedule carries its profile's allocator settings; applied under settings that
-    count blocks otherwise (here expandable segments) it warns, under equivalent ones it does not."""
+    count blocks otherwise (expandable segments, a split limit) it warns, under equivalent ones it
+    does not."""
     import warnings
 
     from monet_cli.runtime.executor import apply_schedule
@@ -247,7 +298,11 @@ def test_apply_warns_where_the_allocator_counts_blocks_otherwise(h200, monkeypat
 
     schedule = plan_schedule(h200, {})  # no decisions: any model takes it
     assert schedule.predicted.alloc_conf == ""
-    for conf, warns in (("expandable_segments:True", True), ("max_split_size_mb:512", False)):
+    for conf, warns in (
+        ("expandable_segments:True", True),
+        ("max_split_size_mb:512", True),
+        ("expandable_segments:False", False),
+    ):
         monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", conf)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")

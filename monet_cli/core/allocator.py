@@ -75,12 +75,39 @@ def expandable_segments(alloc_conf: str) -> bool:
     return (_setting(alloc_conf, "expandable_segments") or "").lower() == "true"
 
 
+def max_split_bytes(alloc_conf: str) -> int | None:
+    """``max_split_size_mb`` from a ``PYTORCH_CUDA_ALLOC_CONF`` value, in bytes (None: not set,
+    every large block may be split). PyTorch itself refuses values it does not accept."""
+    return _mib_setting(alloc_conf, "max_split_size_mb")
+
+
+def non_split_rounding_bytes(alloc_conf: str) -> int:
+    """``max_non_split_rounding_mb``, in bytes: how far beyond a request at or over
+    ``max_split_size_mb`` a cached block may be and still serve it whole (default 20 MiB)."""
+    value = _mib_setting(alloc_conf, "max_non_split_rounding_mb")
+    return LARGE_SEGMENT_BYTES if value is None else value
+
+
+def _mib_setting(alloc_conf: str, name: str) -> int | None:
+    value = _setting(alloc_conf, name)
+    if value is None:
+        return None
+    if not value.isdigit():
+        raise ValueError(f"PYTORCH_CUDA_ALLOC_CONF {name}:{value}: expected a whole number of MiB")
+    return int(value) << 20
+
+
 def same_counting(alloc_conf: str, other: str) -> bool:
     """Whether two ``PYTORCH_CUDA_ALLOC_CONF`` values size and count blocks alike, as far as monet
-    models it: rounding and whether blocks stay unsplit."""
+    models it: rounding, whether blocks stay unsplit and which blocks may be split."""
     return all(
         rule(alloc_conf) == rule(other)
-        for rule in (leaves_blocks_unsplit, lambda conf: _setting(conf, "roundup_power2_divisions"))
+        for rule in (
+            leaves_blocks_unsplit,
+            lambda conf: _setting(conf, "roundup_power2_divisions"),
+            max_split_bytes,
+            non_split_rounding_bytes,
+        )
     )
 
 
@@ -126,9 +153,18 @@ class CachingAllocator:
     ``expandable_segments`` every block is split as in the small pool, so the peak is the
     requests' sum: ``leaves_blocks_unsplit``). An unsplit block counts whole in
     ``allocated_bytes``, which is why the allocator's peak can exceed the sum of the requests.
-    A freed block merges with free neighbours of its segment."""
+    A freed block merges with free neighbours of its segment.
 
-    def __init__(self) -> None:
+    With ``max_split_size_mb`` (``max_split_bytes``), a large block at or over it is never
+    split: a smaller request does not take it, and a request at or over it takes it whole only
+    if it is less than ``max_non_split_rounding_mb`` larger (PyTorch's ``get_free_block``
+    and ``should_split``)."""
+
+    def __init__(
+        self, *, max_split_bytes: int | None = None, non_split_rounding_bytes: int = LARGE_SEGMENT_BYTES
+    ) -> None:
+        self.max_split_bytes = max_split_bytes
+        self.non_split_rounding_bytes = non_split_rounding_bytes
         self.allocated_bytes = 0
         self.peak_bytes = 0
         self._pools: dict[bool, list[tuple[int, int, _Block]]] = {True: [], False: []}
@@ -139,9 +175,16 @@ class CachingAllocator:
         small = nbytes <= SMALL_REQUEST_BYTES
         pool = self._pools[small]
         index = bisect.bisect_left(pool, (nbytes, -1))
-        block = pool.pop(index)[2] if index < len(pool) else self._segment(nbytes, small)
+        if index < len(pool) and (small or self._may_take(pool[index][0], nbytes)):
+            block = pool.pop(index)[2]
+        else:
+            block = self._segment(nbytes, small)
         remaining = block.size - nbytes
-        if (remaining >= MIN_BLOCK_BYTES) if small else remaining > SMALL_REQUEST_BYTES:
+        if (
+            (remaining >= MIN_BLOCK_BYTES)
+            if small
+            else (remaining > SMALL_REQUEST_BYTES and not self._oversize(nbytes))
+        ):
             self._split(block, nbytes)
         block.free = False
         self.allocated_bytes += block.size
@@ -156,6 +199,16 @@ class CachingAllocator:
                 self._remove(neighbour)
                 block = self._merge(neighbour, block) if neighbour is block.prev else self._merge(block, neighbour)
         self._insert(block)
+
+    def _oversize(self, nbytes: int) -> bool:
+        return self.max_split_bytes is not None and nbytes >= self.max_split_bytes
+
+    def _may_take(self, size: int, nbytes: int) -> bool:
+        """Whether a request of ``nbytes`` may take the smallest cached large block that holds
+        it, of ``size``: if not, no larger one may either, and a new segment serves it."""
+        if self._oversize(nbytes):
+            return size < nbytes + self.non_split_rounding_bytes
+        return not self._oversize(size)
 
     def _segment(self, nbytes: int, small: bool) -> _Block:
         if small:
@@ -196,13 +249,16 @@ def allocator_peak(
     spans: Sequence[tuple[tuple[int, ...], tuple[int, ...], int]],
     *,
     resident: Sequence[int],
+    alloc_conf: str = "",
 ) -> int:
     """The allocator's peak in the second of two identical steps (the first leaves the cache
     as a warm-up step leaves it for a measured one): ``spans`` are each storage's (alloc key,
     free key, bytes) in a step, ``resident`` the indices of those made before the first step
     and kept after the last (parameters, optimizer state, inputs, what the allocator held
-    beyond tensors)."""
-    allocator = CachingAllocator()
+    beyond tensors); ``alloc_conf`` the ``PYTORCH_CUDA_ALLOC_CONF`` the step ran under."""
+    allocator = CachingAllocator(
+        max_split_bytes=max_split_bytes(alloc_conf), non_split_rounding_bytes=non_split_rounding_bytes(alloc_conf)
+    )
     kept = set(resident)
     # Their blocks are counted as the profile measured them (the bytes the allocator held
     # beyond the tensors are one of them): whatever segments they sit in are full.

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from monet_cli.core.allocator import max_split_bytes, non_split_rounding_bytes
 from monet_cli.core.codec import flow_row, from_data, to_data
 from monet_cli.core.yamlio import atomic_write_text, dump_yaml, load_yaml_file
 from monet_cli.errors import FileFormatError
@@ -75,6 +76,10 @@ class DeviceInfo:
     """CUDA: the caching allocator's settings while profiling (``PYTORCH_CUDA_ALLOC_CONF``;
     empty: PyTorch's defaults). They decide how the allocator counts a step's blocks
     (``core.allocator``)."""
+
+    def __post_init__(self) -> None:
+        max_split_bytes(self.alloc_conf)  # a hand-edited value the replay cannot read: refused on load
+        non_split_rounding_bytes(self.alloc_conf)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -174,7 +174,7 @@ def simulate(
     events = _events(model, plan, variants)
     counted = None
     if profile.device.type == "cuda" and leaves_blocks_unsplit(profile.device.alloc_conf):
-        counted = _replayed_peak(events)  # before the sweep sorts the events
+        counted = _replayed_peak(events, profile.device.alloc_conf)  # before the sweep sorts the events
     peak, peak_key, points = _sweep(events.items, timeline)
     frames = events.frames
     recompute_ms = sum((model.recompute_ms(call, kept, frames[call]) for call, kept in plan.items()), 0.0)
@@ -412,13 +412,13 @@ def _events(model: SegmentModel, plan: Plan, variants: Variants = frozenset()) -
     return events
 
 
-def _replayed_peak(events: _Events) -> int:
-    """The peak of ``events`` as PyTorch's native caching allocator counts it
-    (``core.allocator``): large blocks left unsplit count whole."""
+def _replayed_peak(events: _Events, alloc_conf: str) -> int:
+    """The peak of ``events`` as PyTorch's native caching allocator counts it under
+    ``alloc_conf`` (``core.allocator``): large blocks left unsplit count whole."""
     spans = [(alloc, free, nbytes) for (alloc, nbytes), (free, _) in zip(events.items[::2], events.items[1::2])]
     after = (events.end, 0)
     resident = [i for i, (alloc, free, _) in enumerate(spans) if alloc == BEFORE_STEP and free == after]
-    return allocator_peak(spans, resident=resident)
+    return allocator_peak(spans, resident=resident, alloc_conf=alloc_conf)
 
 
 def live_at_peak(model: SegmentModel, plan: Plan, variants: Variants = frozenset()) -> list[tuple[int, bool, int]]:

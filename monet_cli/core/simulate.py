@@ -172,9 +172,7 @@ def simulate(
 ) -> SimResult:
     model = model or SegmentModel(profile)
     events = _events(model, plan, variants)
-    counted = None
-    if profile.device.type == "cuda" and leaves_blocks_unsplit(profile.device.alloc_conf):
-        counted = _replayed_peak(events, profile.device.alloc_conf)  # before the sweep sorts the events
+    counted = _counted_peak(profile, events)  # before the sweep sorts the events
     peak, peak_key, points = _sweep(events.items, timeline)
     frames = events.frames
     recompute_ms = sum((model.recompute_ms(call, kept, frames[call]) for call, kept in plan.items()), 0.0)
@@ -412,6 +410,14 @@ def _events(model: SegmentModel, plan: Plan, variants: Variants = frozenset()) -
     return events
 
 
+def _counted_peak(profile: Profile, events: _Events) -> int | None:
+    """The allocator's replayed peak where the profile's allocator leaves blocks unsplit, else
+    None (the requests' sum is what it counts)."""
+    if profile.device.type == "cuda" and leaves_blocks_unsplit(profile.device.alloc_conf):
+        return _replayed_peak(events, profile.device.alloc_conf)
+    return None
+
+
 def _replayed_peak(events: _Events, alloc_conf: str) -> int:
     """The peak of ``events`` as PyTorch's native caching allocator counts it under
     ``alloc_conf`` (``core.allocator``): large blocks left unsplit count whole."""
@@ -424,7 +430,10 @@ def _replayed_peak(events: _Events, alloc_conf: str) -> int:
 def live_at_peak(model: SegmentModel, plan: Plan, variants: Variants = frozenset()) -> list[tuple[int, bool, int]]:
     """(storage id, recomputed copy?, bytes) of everything live at the simulated peak (storage
     ids of the profile as rewritten for ``variants``: their temporaries come after the others)."""
-    events = _events(model, plan, variants)
+    return _live_at_peak(_events(model, plan, variants))
+
+
+def _live_at_peak(events: _Events) -> list[tuple[int, bool, int]]:
     _, peak_key, _ = _sweep(list(events.items), False)
     live: dict[tuple[int, bool], int] = {}
     for (key, delta), owner in zip(events.items, events.owners):
@@ -437,13 +446,15 @@ def peak_breakdown(model: SegmentModel, plan: Plan, variants: Variants = frozens
     """Live bytes per storage kind at the simulated peak of ``plan``; on CUDA, ``unsplit`` is what
     the allocator's blocks add at their own peak, so that the kinds add up to the peak."""
     storages = model.with_variants(frozenset(variants)).profile.storages
+    events = _events(model, plan, variants)
+    counted = _counted_peak(model.profile, events)
     totals: dict[str, int] = {}
-    for sid, copy, nbytes in live_at_peak(model, plan, variants):
+    for sid, copy, nbytes in _live_at_peak(events):
         kind = "workspace" if sid == WORKSPACE else "recomputed" if copy else storages[sid].kind
         totals[kind] = totals.get(kind, 0) + nbytes
-    result = simulate(model.profile, plan, model=model, variants=variants)
-    if result.peak_bytes > result.requested_peak_bytes:
-        totals["unsplit"] = result.peak_bytes - result.requested_peak_bytes
+    requested = sum(totals.values())  # everything live at the requests' peak
+    if counted is not None and counted > requested:
+        totals["unsplit"] = counted - requested
     return dict(sorted(totals.items(), key=lambda kv: -kv[1]))
 
 

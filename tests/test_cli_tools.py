@@ -49,6 +49,23 @@ def test_env_json():
     assert {"monet", "torch", "torchvision", "ortools", "python", "device", "device_memory_bytes"} <= set(data)
 
 
+def test_cuda_is_refused_where_the_allocator_caches_nothing(monkeypatch):
+    """Under PYTORCH_NO_CUDA_MEMORY_CACHING PyTorch's memory statistics stay at 0: every plan
+    would "fit". A profile on CUDA stops at once with exit 2 and one line; 0 turns it off."""
+    import torch
+
+    from monet_cli.workload.step import resolve_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setenv("PYTORCH_NO_CUDA_MEMORY_CACHING", "1")
+    result = monet("profile", "resnet18", "-i", "3,32,32", "-b", "2", "--device", "cuda")
+    assert result.exit_code == 2, result.output
+    assert "PYTORCH_NO_CUDA_MEMORY_CACHING is set" in result.stderr and "Traceback" not in result.output
+    assert resolve_device("cpu").type == "cpu"  # nothing to measure on the GPU: no refusal
+    monkeypatch.setenv("PYTORCH_NO_CUDA_MEMORY_CACHING", "0")
+    assert resolve_device("cuda").type == "cuda"
+
+
 def test_validate_ok_mismatch_and_corrupt(solved, tmp_path):
     root, schedule = solved
     assert monet("validate", str(schedule)).exit_code == 0

@@ -66,6 +66,12 @@ def resolve_device(text: str) -> torch.device:
             raise DeviceError(f"--device {text}: no CUDA GPU is available on this machine (use --device cpu)")
         if device.index is not None and device.index >= torch.cuda.device_count():
             raise DeviceError(f"--device {text}: only {torch.cuda.device_count()} CUDA device(s) present")
+    if device.type == "cuda" and os.environ.get("PYTORCH_NO_CUDA_MEMORY_CACHING", "0") != "0":
+        # PyTorch then calls cudaMalloc directly and its memory statistics count nothing.
+        raise UsageError(
+            "PYTORCH_NO_CUDA_MEMORY_CACHING is set: PyTorch's allocator then counts no memory, so no "
+            "CUDA step can be measured (unset it, or set it to 0)"
+        )
     return device
 
 

@@ -224,3 +224,42 @@ def test_a_model_with_deterministic_kernels_is_checked_bit_for_bit(workload_prof
     check = run_apply(schedule, CPU, steps=1, check=True).check
     assert check.mode == "exact" and check.ok and check.max_grad_diff == 0.0
     assert check.describe() == "bit-exact (deterministic algorithms)"
+
+
+def test_apply_times_pairs_in_turns_and_takes_the_median_of_their_overheads():
+    """The unmodified and the scheduled step take turns going first, and the overhead is the
+    median of the pairs' own overheads, with their range: a slow spell that covers one pair
+    moves both of its steps, not the median."""
+    from dataclasses import replace
+
+    from monet_cli.runtime import compare
+
+    order: list[str] = []
+
+    class Stub:
+        def __init__(self, name: str, times: list[float]) -> None:
+            self.name, self.times = name, iter(times)
+
+        def timed_step(self, seed: int) -> float:
+            order.append(self.name)
+            return next(self.times)
+
+    baseline = Stub("baseline", [100.0, 100.0, 200.0, 100.0])
+    scheduled = Stub("scheduled", [110.0, 120.0, 230.0, 105.0])  # the third pair in a spell twice as slow
+    base_ms, sched_ms = compare._timed_pairs(baseline, scheduled, 4, lambda label: None)
+    assert order == ["baseline", "scheduled", "scheduled", "baseline"] * 2
+    report = compare.ApplyReport(
+        budget_bytes=1,
+        predicted_peak_bytes=1,
+        measured_peak_bytes=1,
+        baseline_peak_bytes=1,
+        step_ms=125.0,
+        baseline_step_ms=100.0,
+        predicted_overhead=0.1,
+        paired_overheads=tuple(s / b - 1 for s, b in zip(sched_ms, base_ms)),
+        check=None,
+        meter="live-storages",
+    )
+    assert report.overhead == pytest.approx(0.125)  # the ratio of the medians would say +15%
+    assert report.overhead_range == pytest.approx((0.05, 0.2))
+    assert replace(report, paired_overheads=(0.3,)).overhead_range == (0.3, 0.3)

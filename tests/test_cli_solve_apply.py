@@ -90,6 +90,8 @@ def test_apply_holds_budget_and_gradients(workdir: Path):
         "baseline_peak_bytes",
         "step_ms",
         "baseline_step_ms",
+        "overhead",
+        "overhead_range",
         "predicted_overhead",
         "grads_match",
         "within_budget",
@@ -97,10 +99,12 @@ def test_apply_holds_budget_and_gradients(workdir: Path):
     ]
     assert report["grads_match"] is None and report["check"] is None and report["within_budget"] is True
     assert report["predicted_overhead"] == load_schedule(path).predicted.overhead
+    assert report["overhead_range"] == [report["overhead"], report["overhead"]]  # one pair
     assert report["measured_peak_bytes"] <= report["budget_bytes"]
     assert abs(report["predicted_peak_bytes"] - report["measured_peak_bytes"]) <= 0.02 * report["measured_peak_bytes"]
     checked = json.loads(monet("apply", str(path), "--steps", "1", "--check", "--json").stdout)
     assert checked["grads_match"] is True
+    assert checked["baseline_peak_bytes"] == report["baseline_peak_bytes"]  # both after a first step
     assert checked["check"]["mode"] == "exact" and checked["check"]["max_grad_diff"] == 0.0
 
 

@@ -80,6 +80,8 @@ class ApplyReport:
     baseline_step_ms: float
     predicted_overhead: float
     """The schedule's (``Predicted.overhead``), to set beside the measured ``overhead``."""
+    paired_overheads: tuple[float, ...]
+    """Each timed pair's scheduled step over its unmodified one, minus 1, in timing order."""
     check: CheckResult | None
     meter: str
     timeline: tuple[int, ...] = ()
@@ -92,8 +94,14 @@ class ApplyReport:
 
     @property
     def overhead(self) -> float:
-        """The scheduled step's median over the unmodified one's, minus 1."""
-        return self.step_ms / self.baseline_step_ms - 1 if self.baseline_step_ms else 0.0
+        """The median of the pairs' overheads: each pair's two steps ran back to back, so a
+        change in the machine's speed between pairs moves both."""
+        return statistics.median(self.paired_overheads)
+
+    @property
+    def overhead_range(self) -> tuple[float, float]:
+        """The smallest and largest of the pairs' overheads: the noise the median sits in."""
+        return min(self.paired_overheads), max(self.paired_overheads)
 
     @property
     def prediction_error(self) -> float:
@@ -282,6 +290,7 @@ def run_apply(
         baseline, scheduled, result = _checked_first_steps(schedule, device)
     else:
         baseline, scheduled = _build_pair(schedule, device)
+        _run_first_step(baseline, "baseline step")  # its optimizer state exists before its peak is taken
         _run_first_step(scheduled, "scheduled step")
         result = None
     progress("measuring peak memory")
@@ -294,12 +303,7 @@ def run_apply(
         ),
         "scheduled step",
     )
-    base_ms, sched_ms = [], []
-    for i in range(steps):
-        progress(f"timing steps ({i + 1}/{steps})")
-        seed = CHECK_SEED + 2 + i
-        base_ms.append(run_checked(lambda: baseline.timed_step(seed), "baseline step"))  # noqa: B023 (called now)
-        sched_ms.append(run_checked(lambda: scheduled.timed_step(seed), "scheduled step"))  # noqa: B023
+    base_ms, sched_ms = _timed_pairs(baseline, scheduled, steps, progress)
     return ApplyReport(
         budget_bytes=schedule.budget_bytes,
         predicted_peak_bytes=schedule.predicted.peak_bytes,
@@ -308,8 +312,25 @@ def run_apply(
         step_ms=round(statistics.median(sched_ms), 3),
         baseline_step_ms=round(statistics.median(base_ms), 3),
         predicted_overhead=schedule.predicted.overhead,
+        paired_overheads=tuple(round(s / b - 1, 6) for s, b in zip(sched_ms, base_ms)),
         check=result,
         meter=sched_peak.meter,
         timeline=sched_peak.timeline,
         baseline_timeline=base_peak.timeline,
     )
+
+
+def _timed_pairs(
+    baseline: Workload, scheduled: Workload, steps: int, progress: Callable[[str], None]
+) -> tuple[list[float], list[float]]:
+    """``steps`` pairs of one unmodified and one scheduled step, in ms, the first of each pair
+    taking turns: a step that runs second in every pair can gain or lose by what the first left
+    behind (caches, the allocator's free blocks)."""
+    base_ms, sched_ms = [], []
+    for i in range(steps):
+        progress(f"timing steps ({i + 1}/{steps})")
+        seed = CHECK_SEED + 2 + i
+        pair = [(baseline, base_ms, "baseline step"), (scheduled, sched_ms, "scheduled step")]
+        for workload, times, label in pair if i % 2 == 0 else reversed(pair):
+            times.append(run_checked(lambda: workload.timed_step(seed), label))  # noqa: B023 (called now)
+    return base_ms, sched_ms

@@ -433,6 +433,10 @@ def test_solve_counts_ranges_and_inspect_and_validate_show_them(range_net_profil
     result = runner.invoke(app, ["inspect", str(tmp_path / "s.yaml"), "--json"])
     segment = next(s for s in json.loads(result.stdout)["segments"] if s["within"] is not None)
     assert segment["calls"] and segment["module"].startswith("<model>[")
+    table = runner.invoke(app, ["inspect", str(tmp_path / "s.yaml")], env={"COLUMNS": "48"}).stdout
+    unwrapped = "".join(line.split("│")[1].strip() for line in table.splitlines() if line.count("│") > 2)
+    folded = [segment["module"], *segment["calls"]]  # folded onto the next lines, not cut to "<mod…"
+    assert all(name in unwrapped for name in folded), table
     result = runner.invoke(app, ["inspect", str(tmp_path / "p.yaml"), "--json"])
     assert json.loads(result.stdout)["ranges"] == len(SegmentModel(range_net_profile).ranges)
     result = runner.invoke(app, ["validate", str(tmp_path / "s.yaml")])

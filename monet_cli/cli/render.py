@@ -21,6 +21,11 @@ from monet_cli.core.units import format_bytes
 stderr = Console(stderr=True)
 
 
+# Module paths are long and have no spaces to wrap at: in a narrow terminal rich would cut
+# them to "transformer.h.0…", so these columns fold them onto the next line instead.
+_FOLD = {"module": "fold", "nested in": "fold", "with": "fold", "kept": "fold"}
+
+
 def print_json(data: dict[str, Any]) -> None:
     sys.stdout.write(json.dumps(data, indent=2) + "\n")
     sys.stdout.flush()
@@ -250,7 +255,7 @@ def inspect_tables(report: dict[str, Any]) -> None:
     if report["kind"] == "monet.schedule" and report["segments"]:  # a profile's "segments" is a count
         seg = Table(title="segments (checkpointed module calls, chains and op ranges)", title_justify="left")
         for column in ("module", "nested in", "ops", "kept", "recomputed", "recompute ms"):
-            seg.add_column(column)
+            seg.add_column(column, overflow=_FOLD.get(column))
         for s in report["segments"]:
             module = s["module"] if s["within"] is None else f"{s['module']}: {', '.join(s['calls'])} and its own ops"
             seg.add_row(
@@ -269,7 +274,7 @@ def inspect_tables(report: dict[str, Any]) -> None:
         )
         table = Table(title=title, title_justify="left")
         for column in ("variant", "module", "with", "saves", "time"):
-            table.add_column(column)
+            table.add_column(column, overflow=_FOLD.get(column))
         for v in variants:
             saves = "-" if v["saves_bytes"] is None else format_bytes(v["saves_bytes"])
             table.add_row(
@@ -285,13 +290,13 @@ def inspect_tables(report: dict[str, Any]) -> None:
         title = "offloads" if report["kind"] == "monet.schedule" else "calls the solver may offload"
         table = Table(title=title, title_justify="left")
         for column in ("module", "moves", "time"):
-            table.add_column(column)
+            table.add_column(column, overflow=_FOLD.get(column))
         for o in offloads:
             table.add_row(o["module"] or "<model>", format_bytes(o["bytes"]), f"{o['time_ms']:+.2f} ms")
         console.print(table)
     if report.get("not_checkpointable"):
         blocked = Table(title="module calls monet will not checkpoint", title_justify="left")
-        blocked.add_column("module")
+        blocked.add_column("module", overflow="fold")
         blocked.add_column("why")
         for row in report["not_checkpointable"]:
             blocked.add_row(row["module"], row["reason"])
@@ -299,7 +304,7 @@ def inspect_tables(report: dict[str, Any]) -> None:
     if report.get("top_memory_at_peak"):
         top = Table(title="top memory holders at the peak", title_justify="left")
         for column in ("kind", "module", "size"):
-            top.add_column(column)
+            top.add_column(column, overflow=_FOLD.get(column))
         for row in report["top_memory_at_peak"]:
             top.add_row(row["kind"], row["module"], format_bytes(row["bytes"]))
         console.print(top)

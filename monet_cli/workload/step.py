@@ -54,7 +54,7 @@ _DTYPES = {
 def resolve_device(text: str) -> torch.device:
     """``auto`` picks CUDA when present; asking for CUDA without a GPU is an error."""
     if text == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        text = "cuda" if torch.cuda.is_available() else "cpu"
     try:
         device = torch.device(text)
     except RuntimeError:
@@ -66,12 +66,12 @@ def resolve_device(text: str) -> torch.device:
             raise DeviceError(f"--device {text}: no CUDA GPU is available on this machine (use --device cpu)")
         if device.index is not None and device.index >= torch.cuda.device_count():
             raise DeviceError(f"--device {text}: only {torch.cuda.device_count()} CUDA device(s) present")
-    if device.type == "cuda" and os.environ.get("PYTORCH_NO_CUDA_MEMORY_CACHING", "0") != "0":
-        # PyTorch then calls cudaMalloc directly and its memory statistics count nothing.
-        raise UsageError(
-            "PYTORCH_NO_CUDA_MEMORY_CACHING is set: PyTorch's allocator then counts no memory, so no "
-            "CUDA step can be measured (unset it, or set it to 0)"
-        )
+        if os.environ.get("PYTORCH_NO_CUDA_MEMORY_CACHING", "0") != "0":
+            # PyTorch then calls cudaMalloc directly and its memory statistics count nothing.
+            raise UsageError(
+                "PYTORCH_NO_CUDA_MEMORY_CACHING is set: PyTorch's allocator then counts no memory, so no "
+                "CUDA step can be measured (unset it, or set it to 0)"
+            )
     return device
 
 

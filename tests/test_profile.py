@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 import torch
@@ -269,6 +270,58 @@ def test_a_profile_warns_when_the_machine_speed_changed_while_it_ran():
         warn_on_speed_change(Steps(50.0 * SPEED_CHANGE * 0.99), [50.0])
         warn_on_speed_change(Steps(50.0 / SPEED_CHANGE * 1.01), [50.0])
         warn_on_speed_change(Steps(0.5 * SPEED_CHANGE * 1.5), [0.5])  # a sub-millisecond step's jitter
+
+
+@pytest.mark.skipif(not Path("/proc/stat").exists(), reason="reads Linux /proc/stat")
+def test_a_cpu_profile_warns_when_other_work_shared_the_machine(monkeypatch):
+    """The CPU time every process used while the profile timed, less the profile's own, is
+    other work. A process spinning beside it is counted (about one CPU) and its own work is
+    not; the profile warns when other work took more than ``SPARE_CPUS`` beyond the CPUs
+    torch's threads leave free, and says nothing where ``/proc/stat`` cannot be read."""
+    import subprocess
+    import sys
+    import time
+    import warnings
+
+    from monet_cli.profiler import sharing
+
+    def spun(seconds: float, *, beside: bool) -> float:
+        spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if beside else None
+        try:
+            time.sleep(0.3)  # the spinner's interpreter starts
+            start = sharing.read_cpu_times()
+            end_at = time.monotonic() + seconds
+            while time.monotonic() < end_at:  # this process's own work
+                pass
+            return sharing.others_busy_cpus(start, sharing.read_cpu_times())
+        finally:
+            if spinner is not None:
+                spinner.kill()
+                spinner.wait()
+
+    assert 0.7 < spun(0.6, beside=True) < 1.3
+    assert spun(0.6, beside=False) < 0.3
+
+    monkeypatch.setattr(sharing.os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(sharing.torch, "get_num_threads", lambda: 2)
+    busy = sharing.CpuTimes(wall_s=0.0, busy_s=0.0, own_s=0.0)
+
+    def now(others: float) -> None:
+        monkeypatch.setattr(
+            sharing, "read_cpu_times", lambda: sharing.CpuTimes(wall_s=10.0, busy_s=20.0 + others * 10, own_s=20.0)
+        )
+
+    now(others=0.6)
+    with pytest.warns(UserWarning, match="other work kept 0.6 of this machine's 2 CPUs busy while the profile timed"):
+        sharing.warn_if_shared(busy)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        now(others=0.4)
+        sharing.warn_if_shared(busy)
+        sharing.warn_if_shared(None)
+        monkeypatch.setattr(sharing.torch, "get_num_threads", lambda: 1)  # one CPU left free
+        now(others=1.4)
+        sharing.warn_if_shared(busy)
 
 
 def test_a_model_whose_module_calls_change_between_steps_is_refused():

@@ -39,6 +39,7 @@ from monet_cli.profiler.in_step import as_written_step_ms, can_pair, price_in_st
 from monet_cli.profiler.overheads import measure_overheads
 from monet_cli.profiler.probe import probe_overheads
 from monet_cli.profiler.rehearse import Rehearsal
+from monet_cli.profiler.sharing import read_cpu_times, warn_if_shared
 from monet_cli.profiler.transfer import measure_transfer
 from monet_cli.profiler.variants import measure_variants
 from monet_cli.runtime.fingerprint import model_modules_hash, warn_if_untested_torch
@@ -104,6 +105,7 @@ def profile_model(
         progress("measuring host-device copies")
     transfer = measure_transfer(device)
     timings = Timings()
+    cpu_times = read_cpu_times()
     for i in range(steps):
         progress(f"timing ops (step {i + 1}/{steps})")
         timings.op_ms.append(run_checked(lambda: _timed_ops(workload, recorder), "timed step"))
@@ -144,6 +146,8 @@ def profile_model(
     variants = run_checked(lambda: measure_variants(workload, find_sites(profile)), "measuring operator variants")
     progress("timing the step again (has the machine's speed changed?)")
     run_checked(lambda: warn_on_speed_change(workload, timings.step_ms), "timed step")
+    if device.type == "cpu":
+        warn_if_shared(cpu_times)
     return replace(profile, transfer=transfer, variants=variants)
 
 

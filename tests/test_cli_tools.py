@@ -419,3 +419,16 @@ def test_ctrl_c_inside_a_storage_finalizer_is_not_lost():
         x = torch.ones(4) + 1
         del x  # the finalizer runs here and swallows nothing
         torch.ones(4) * 2  # the next op raises
+
+
+def test_the_command_line_shows_monet_s_warnings_as_one_line(capsys):
+    """monet's own warnings reach a terminal as ``monet: warning: ...``, one line without the
+    Python source line that raised them (as its errors show no traceback); another library's
+    warning shows as Python shows it, where it came from included."""
+    from monet_cli.cli.errors import show_warning
+
+    show_warning(UserWarning("monet: the machine was busy"), UserWarning, "/x/run.py", 148)
+    show_warning(UserWarning("TypedStorage is deprecated"), UserWarning, "/x/torch.py", 7, line="storage()")
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0] == "monet: warning: the machine was busy"
+    assert lines[1] == "/x/torch.py:7: UserWarning: TypedStorage is deprecated"

@@ -6,12 +6,14 @@ module only gathers them, in the order ``monet --help`` lists them.
 
 from __future__ import annotations
 
+import warnings
 from typing import Annotated
 
 import typer
 
 from monet_cli import __version__
 from monet_cli.cli.commands import apply, env, estimate, inspect, profile, solve, validate
+from monet_cli.cli.errors import show_warning
 from monet_cli.cli.options import EXIT_CODES_HELP
 
 app = typer.Typer(
@@ -52,4 +54,5 @@ def _root(
 
 
 def main() -> None:
+    warnings.showwarning = show_warning
     app()

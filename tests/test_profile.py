@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import os
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -272,39 +277,41 @@ def test_a_profile_warns_when_the_machine_speed_changed_while_it_ran():
         warn_on_speed_change(Steps(0.5 * SPEED_CHANGE * 1.5), [0.5])  # a sub-millisecond step's jitter
 
 
+@contextlib.contextmanager
+def _another_process_spinning():
+    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(0.3)  # its interpreter starts
+        yield
+    finally:
+        spinner.kill()
+        spinner.wait()
+
+
 @pytest.mark.skipif(not Path("/proc/stat").exists(), reason="reads Linux /proc/stat")
-def test_a_cpu_profile_warns_when_other_work_shared_the_machine(monkeypatch):
-    """The CPU time every process used while the profile timed, less the profile's own, is
-    other work. A process spinning beside it is counted (about one CPU) and its own work is
-    not; the profile warns when other work took more than ``SPARE_CPUS`` beyond the CPUs
+def test_other_work_is_the_cpu_time_all_processes_used_less_monet_s_own(monkeypatch):
+    """The CPU time every process used between two readings, less this process's own, is
+    other work: a process spinning beside it is counted (about one CPU) and its own work is
+    not. The warning fires when other work took more than ``SPARE_CPUS`` beyond the CPUs
     torch's threads leave free, and says nothing where ``/proc/stat`` cannot be read."""
-    import subprocess
-    import sys
-    import time
     import warnings
 
-    from monet_cli.profiler import sharing
+    from monet_cli.runtime import sharing
 
-    def spun(seconds: float, *, beside: bool) -> float:
-        spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if beside else None
-        try:
-            time.sleep(0.3)  # the spinner's interpreter starts
-            start = sharing.read_cpu_times()
-            end_at = time.monotonic() + seconds
-            while time.monotonic() < end_at:  # this process's own work
-                pass
-            return sharing.others_busy_cpus(start, sharing.read_cpu_times())
-        finally:
-            if spinner is not None:
-                spinner.kill()
-                spinner.wait()
+    def others_while_working(seconds: float) -> float:
+        start = sharing.read_cpu_times()
+        end_at = time.monotonic() + seconds
+        while time.monotonic() < end_at:  # this process's own work
+            pass
+        return sharing.others_busy_cpus(start, sharing.read_cpu_times())
 
-    assert 0.7 < spun(0.6, beside=True) < 1.3
-    assert spun(0.6, beside=False) < 0.3
+    with _another_process_spinning():
+        assert 0.7 < others_while_working(0.6) < 1.3
+    assert others_while_working(0.6) < 0.3
 
     monkeypatch.setattr(sharing.os, "cpu_count", lambda: 2)
     monkeypatch.setattr(sharing.torch, "get_num_threads", lambda: 2)
-    busy = sharing.CpuTimes(wall_s=0.0, busy_s=0.0, own_s=0.0)
+    start = sharing.CpuTimes(wall_s=0.0, busy_s=0.0, own_s=0.0)
 
     def now(others: float) -> None:
         monkeypatch.setattr(
@@ -312,16 +319,35 @@ def test_a_cpu_profile_warns_when_other_work_shared_the_machine(monkeypatch):
         )
 
     now(others=0.6)
-    with pytest.warns(UserWarning, match="other work kept 0.6 of this machine's 2 CPUs busy while the profile timed"):
-        sharing.warn_if_shared(busy)
+    with pytest.warns(UserWarning, match="other work kept 0.6 of this machine's 2 CPUs busy while it ran .*; so"):
+        sharing.warn_if_shared(start, "it ran", "so")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         now(others=0.4)
-        sharing.warn_if_shared(busy)
-        sharing.warn_if_shared(None)
+        sharing.warn_if_shared(start, "it ran", "so")
+        sharing.warn_if_shared(None, "it ran", "so")
         monkeypatch.setattr(sharing.torch, "get_num_threads", lambda: 1)  # one CPU left free
         now(others=1.4)
-        sharing.warn_if_shared(busy)
+        sharing.warn_if_shared(start, "it ran", "so")
+
+
+@pytest.mark.skipif(not Path("/proc/stat").exists(), reason="reads Linux /proc/stat")
+def test_profile_and_apply_warn_when_another_process_works_beside_their_timed_steps(monkeypatch):
+    """A CPU profile, and ``apply``'s timed pairs, beside a process spinning on one CPU: both
+    warn, since their times assume the machine to themselves (torch's threads are taken to use
+    every CPU, so the spinner is more than any machine leaves free)."""
+    from monet_cli.core.segments import SegmentModel
+    from monet_cli.runtime import sharing
+    from monet_cli.runtime.compare import run_apply
+
+    monkeypatch.setattr(sharing.torch, "get_num_threads", lambda: os.cpu_count())
+    with _another_process_spinning(), pytest.warns(UserWarning, match="busy while the profile timed its steps"):
+        profile = profile_model(small_spec("tests.models_for_tests:skip_cnn"), CPU, steps=1)
+    model = SegmentModel(profile)
+    call = next(c for c, seg in model.segments.items() if seg.burst_pos is not None)
+    schedule = plan_schedule(profile, {call: frozenset()}, peaks=1, model=model)
+    with _another_process_spinning(), pytest.warns(UserWarning, match="busy while apply timed its steps"):
+        run_apply(schedule, CPU, steps=3, check=False)
 
 
 def test_a_model_whose_module_calls_change_between_steps_is_refused():

@@ -39,12 +39,12 @@ from monet_cli.profiler.in_step import as_written_step_ms, can_pair, price_in_st
 from monet_cli.profiler.overheads import measure_overheads
 from monet_cli.profiler.probe import probe_overheads
 from monet_cli.profiler.rehearse import Rehearsal
-from monet_cli.profiler.sharing import read_cpu_times, warn_if_shared
 from monet_cli.profiler.transfer import measure_transfer
 from monet_cli.profiler.variants import measure_variants
 from monet_cli.runtime.fingerprint import model_modules_hash, warn_if_untested_torch
 from monet_cli.runtime.host_memory import keep_freed_host_memory
 from monet_cli.runtime.meter import alloc_conf, measure_peak
+from monet_cli.runtime.sharing import read_cpu_times, warn_if_shared
 from monet_cli.workload.step import Workload, build_workload, configure_cuda, run_checked
 
 Progress = Callable[[str], None]
@@ -147,7 +147,12 @@ def profile_model(
     progress("timing the step again (has the machine's speed changed?)")
     run_checked(lambda: warn_on_speed_change(workload, timings.step_ms), "timed step")
     if device.type == "cpu":
-        warn_if_shared(cpu_times)
+        warn_if_shared(
+            cpu_times,
+            "the profile timed its steps",
+            "its times, and the overheads predicted from them, assume the machine to itself: "
+            "profile again on a quiet machine before trusting them",
+        )
     return replace(profile, transfer=transfer, variants=variants)
 
 

@@ -1,4 +1,4 @@
-"""Did other processes share this machine's CPUs while a CPU profile timed its steps?
+"""Did other processes share this machine's CPUs while monet timed steps on them?
 
 A CPU profile's times, and every overhead predicted from them, assume the step has the
 machine to itself. On this project's 2-core CPU a vit_b_16 step profiled beside a test run
@@ -6,7 +6,7 @@ took 732 ms against 243 ms quiet, and the profile predicted +3.6% for a schedule
 measured +18% (12-05). Its last plain steps ran as slowly as its first, so the warning on a
 change of speed did not fire. So the profile counts the CPU time all processes used while
 it timed (Linux ``/proc/stat``) less its own (``os.times``, every thread of it): what is left
-is other processes' work.
+is other processes' work. ``monet apply`` does the same around the pairs it times.
 """
 
 from __future__ import annotations
@@ -63,9 +63,10 @@ def others_busy_cpus(start: CpuTimes, end: CpuTimes) -> float:
     return max(0.0, (end.busy_s - start.busy_s) - (end.own_s - start.own_s)) / wall_s
 
 
-def warn_if_shared(start: CpuTimes | None) -> None:
+def warn_if_shared(start: CpuTimes | None, timed: str, consequence: str) -> None:
     """Warn when other work kept busy, since ``start``, more than ``SPARE_CPUS`` beyond the CPUs
-    torch's threads leave free (nothing where the readings cannot be taken)."""
+    torch's threads leave free (nothing where the readings cannot be taken): "other work kept
+    ... busy while {timed}; {consequence}"."""
     end = read_cpu_times()
     if start is None or end is None:
         return
@@ -73,8 +74,7 @@ def warn_if_shared(start: CpuTimes | None) -> None:
     busy = others_busy_cpus(start, end)
     if busy > max(0, cpus - threads) + SPARE_CPUS:
         warnings.warn(
-            f"monet: other work kept {busy:.1f} of this machine's {cpus} CPUs busy while the profile timed "
-            f"its steps (torch runs {threads} threads); its times, and the overheads predicted from them, "
-            "assume the machine to itself: profile again on a quiet machine before trusting them",
+            f"monet: other work kept {busy:.1f} of this machine's {cpus} CPUs busy while {timed} "
+            f"(torch runs {threads} threads); {consequence}",
             stacklevel=2,
         )

@@ -306,8 +306,8 @@ def test_other_work_is_the_cpu_time_all_processes_used_less_monet_s_own(monkeypa
         return sharing.others_busy_cpus(start, sharing.read_cpu_times())
 
     with _another_process_spinning():
-        assert 0.7 < others_while_working(0.6) < 1.3
-    assert others_while_working(0.6) < 0.3
+        assert 0.7 < others_while_working(0.6) < 1.6  # one CPU, and not this process's own on top
+    assert others_while_working(0.6) < 0.5  # alone: its own work is not counted
 
     monkeypatch.setattr(sharing.os, "cpu_count", lambda: 2)
     monkeypatch.setattr(sharing.torch, "get_num_threads", lambda: 2)

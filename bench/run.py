@@ -46,6 +46,7 @@ from monet_cli.core.solver.search import Hint, Planner  # noqa: E402
 from monet_cli.profiler.run import env_info, profile_model  # noqa: E402
 from monet_cli.runtime.host_memory import keep_freed_host_memory  # noqa: E402
 from monet_cli.runtime.meter import measure_peak  # noqa: E402
+from monet_cli.runtime.sharing import others_busy_since, read_cpu_times  # noqa: E402
 from monet_cli.workload.resolve import Overrides, resolve_model_spec  # noqa: E402
 from monet_cli.workload.step import build_workload  # noqa: E402
 
@@ -286,7 +287,9 @@ def run_workload(
     eager += [M.monet(spec, device, schedule, info) for schedule, info in solved]
     log(f"{w.name}: measuring {len(eager)} eager methods x {repeats} repeats")
     window = WindowTimer(build_workload(spec, device), profile)
+    cpu_times = read_cpu_times()
     measured = measure_eager(eager, repeats, window)
+    other_work = others_busy_since(cpu_times)
     base = measured[eager[0].name]
     window_profile = window.in_window(base["step_ms_all"])
     window_model = SegmentModel(window_profile)
@@ -350,6 +353,8 @@ def run_workload(
         },
         "window_step_ms": window_profile.baseline.step_ms,
         "repeats": repeats,
+        "other_work_cpus": None if other_work is None else round(other_work, 3),
+        "torch_threads": torch.get_num_threads(),
         "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "points": points,
     }

@@ -63,16 +63,20 @@ def others_busy_cpus(start: CpuTimes, end: CpuTimes) -> float:
     return max(0.0, (end.busy_s - start.busy_s) - (end.own_s - start.own_s)) / wall_s
 
 
+def others_busy_since(start: CpuTimes | None) -> float | None:
+    """CPUs other processes kept busy on average since ``start``; None where the readings
+    cannot be taken."""
+    end = read_cpu_times()
+    return None if start is None or end is None else others_busy_cpus(start, end)
+
+
 def warn_if_shared(start: CpuTimes | None, timed: str, consequence: str) -> None:
     """Warn when other work kept busy, since ``start``, more than ``SPARE_CPUS`` beyond the CPUs
     torch's threads leave free (nothing where the readings cannot be taken): "other work kept
     ... busy while {timed}; {consequence}"."""
-    end = read_cpu_times()
-    if start is None or end is None:
-        return
+    busy = others_busy_since(start)
     cpus, threads = os.cpu_count() or 1, torch.get_num_threads()
-    busy = others_busy_cpus(start, end)
-    if busy > max(0, cpus - threads) + SPARE_CPUS:
+    if busy is not None and busy > max(0, cpus - threads) + SPARE_CPUS:
         warnings.warn(
             f"monet: other work kept {busy:.1f} of this machine's {cpus} CPUs busy while {timed} "
             f"(torch runs {threads} threads); {consequence}",

@@ -278,8 +278,9 @@ def test_a_profile_warns_when_the_machine_speed_changed_while_it_ran():
 
 
 @contextlib.contextmanager
-def _another_process_spinning():
-    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+def _another_process_spinning(on_cpu: int | None = None):
+    pin = None if on_cpu is None else lambda: os.sched_setaffinity(0, {on_cpu})
+    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"], preexec_fn=pin)
     try:
         time.sleep(0.3)  # its interpreter starts
         yield
@@ -309,7 +310,7 @@ def test_other_work_is_the_cpu_time_all_processes_used_less_monet_s_own(monkeypa
         assert 0.7 < others_while_working(0.6) < 1.6  # one CPU, and not this process's own on top
     assert others_while_working(0.6) < 0.5  # alone: its own work is not counted
 
-    monkeypatch.setattr(sharing.os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(sharing, "usable_cpus", lambda: {0, 1})
     monkeypatch.setattr(sharing.torch, "get_num_threads", lambda: 2)
     start = sharing.CpuTimes(wall_s=0.0, busy_s=0.0, own_s=0.0)
 
@@ -331,6 +332,28 @@ def test_other_work_is_the_cpu_time_all_processes_used_less_monet_s_own(monkeypa
         sharing.warn_if_shared(start, "it ran", "so")
 
 
+@pytest.mark.skipif(
+    not Path("/proc/stat").exists() or len(os.sched_getaffinity(0)) < 2, reason="reads Linux /proc/stat, on 2 CPUs"
+)
+def test_other_work_counts_only_on_the_cpus_this_process_may_run_on(monkeypatch):
+    """A container's cpuset leaves the process some of the machine's CPUs: a process spinning
+    on another CPU takes nothing from it, one spinning on its own CPU does."""
+    from monet_cli.runtime import sharing
+
+    mine, other = sorted(os.sched_getaffinity(0))[:2]
+    monkeypatch.setattr(sharing, "usable_cpus", lambda: {mine})
+
+    def others_while_sleeping() -> float:
+        start = sharing.read_cpu_times()
+        time.sleep(0.6)
+        return sharing.others_busy_cpus(start, sharing.read_cpu_times())
+
+    with _another_process_spinning(on_cpu=other):
+        assert others_while_sleeping() < 0.3
+    with _another_process_spinning(on_cpu=mine):
+        assert others_while_sleeping() > 0.7
+
+
 @pytest.mark.skipif(not Path("/proc/stat").exists(), reason="reads Linux /proc/stat")
 def test_profile_and_apply_warn_when_another_process_works_beside_their_timed_steps(monkeypatch):
     """A CPU profile, and ``apply``'s timed pairs, beside a process spinning on one CPU: both
@@ -340,7 +363,7 @@ def test_profile_and_apply_warn_when_another_process_works_beside_their_timed_st
     from monet_cli.runtime import sharing
     from monet_cli.runtime.compare import run_apply
 
-    monkeypatch.setattr(sharing.torch, "get_num_threads", lambda: os.cpu_count())
+    monkeypatch.setattr(sharing.torch, "get_num_threads", lambda: len(sharing.usable_cpus()))
     with _another_process_spinning(), pytest.warns(UserWarning, match="busy while the profile timed its steps"):
         profile = profile_model(small_spec("tests.models_for_tests:skip_cnn"), CPU, steps=1)
     model = SegmentModel(profile)

@@ -31,28 +31,35 @@ class CpuTimes:
 
     wall_s: float
     busy_s: float
-    """CPU time used since boot on all CPUs, idle and I/O wait excluded (time the hypervisor
-    gave another machine included: it slows the step as much)."""
+    """CPU time used since boot on the CPUs this process may run on, idle and I/O wait
+    excluded (time the hypervisor gave another machine included: it slows the step as much)."""
     own_s: float
     """CPU time this process used (user and system, all its threads)."""
 
 
 def read_cpu_times() -> CpuTimes | None:
-    """Now's reading; None where ``/proc/stat`` cannot be read (not Linux)."""
+    """Now's reading, over the CPUs this process may run on (its affinity: a container's
+    cpuset, say); None where ``/proc/stat`` cannot be read (not Linux)."""
+    allowed = usable_cpus()
+    busy_ticks = 0
     try:
         with open(_STAT) as stat:
-            ticks = [int(v) for v in stat.readline().split()[1:]]
-    except (OSError, ValueError):
+            for line in stat:
+                name, *ticks = line.split()
+                if name.startswith("cpu") and name[3:].isdigit() and int(name[3:]) in allowed:
+                    # user to steal (guest time is in user already), less idle and I/O wait
+                    busy_ticks += sum(int(t) for t in ticks[:8]) - int(ticks[3]) - int(ticks[4])
+    except (OSError, ValueError, IndexError):
         return None
-    if len(ticks) < 5:
-        return None
-    idle = ticks[3] + ticks[4]  # idle and iowait
     own = os.times()
-    return CpuTimes(
-        wall_s=time.monotonic(),
-        busy_s=(sum(ticks[:8]) - idle) / os.sysconf("SC_CLK_TCK"),  # to steal; guest time is in user already
-        own_s=own.user + own.system,
-    )
+    return CpuTimes(wall_s=time.monotonic(), busy_s=busy_ticks / os.sysconf("SC_CLK_TCK"), own_s=own.user + own.system)
+
+
+def usable_cpus() -> set[int]:
+    """The CPUs this process may run on."""
+    if hasattr(os, "sched_getaffinity"):
+        return set(os.sched_getaffinity(0))
+    return set(range(os.cpu_count() or 1))
 
 
 def others_busy_cpus(start: CpuTimes, end: CpuTimes) -> float:
@@ -75,7 +82,7 @@ def warn_if_shared(start: CpuTimes | None, timed: str, consequence: str) -> None
     torch's threads leave free (nothing where the readings cannot be taken): "other work kept
     ... busy while {timed}; {consequence}"."""
     busy = others_busy_since(start)
-    cpus, threads = os.cpu_count() or 1, torch.get_num_threads()
+    cpus, threads = len(usable_cpus()), torch.get_num_threads()
     if busy is not None and busy > max(0, cpus - threads) + SPARE_CPUS:
         warnings.warn(
             f"monet: other work kept {busy:.1f} of this machine's {cpus} CPUs busy while {timed} "

@@ -320,7 +320,7 @@ def test_other_work_is_the_cpu_time_all_processes_used_less_monet_s_own(monkeypa
         )
 
     now(others=0.6)
-    with pytest.warns(UserWarning, match="other work kept 0.6 of this machine's 2 CPUs busy while it ran .*; so"):
+    with pytest.warns(UserWarning, match="other work kept 0.6 of the 2 CPUs monet may run on busy while it ran .*; so"):
         sharing.warn_if_shared(start, "it ran", "so")
     with warnings.catch_warnings():
         warnings.simplefilter("error")

@@ -1,8 +1,8 @@
 """Did other processes share this machine's CPUs while monet timed steps on them?
 
 A CPU profile's times, and every overhead predicted from them, assume the step has the
-machine to itself. On this project's 2-core CPU a vit_b_16 step profiled beside a test run
-took 732 ms against 243 ms quiet, and the profile predicted +3.6% for a schedule that then
+machine to itself. On this project's 2-core CPU a timm vit_tiny step profiled beside a test
+run took 732 ms against 243 ms quiet, and the profile predicted +3.6% for a schedule that then
 measured +18% (12-05). Its last plain steps ran as slowly as its first, so the warning on a
 change of speed did not fire. So the profile counts the CPU time all processes used while
 it timed (Linux ``/proc/stat``) less its own (``os.times``, every thread of it): what is left
@@ -20,7 +20,7 @@ import torch
 
 SPARE_CPUS = 0.5
 """Other processes may keep this many CPUs busy on average beyond those torch's threads leave
-free before the profile warns: a daemon's wake-ups stay under it, a second busy process does not."""
+free before monet warns: a daemon's wake-ups stay under it, a second busy process does not."""
 
 _STAT = "/proc/stat"
 
@@ -85,7 +85,7 @@ def warn_if_shared(start: CpuTimes | None, timed: str, consequence: str) -> None
     cpus, threads = len(usable_cpus()), torch.get_num_threads()
     if busy is not None and busy > max(0, cpus - threads) + SPARE_CPUS:
         warnings.warn(
-            f"monet: other work kept {busy:.1f} of this machine's {cpus} CPUs busy while {timed} "
+            f"monet: other work kept {busy:.1f} of the {cpus} CPUs monet may run on busy while {timed} "
             f"(torch runs {threads} threads); {consequence}",
             stacklevel=2,
         )

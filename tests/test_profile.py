@@ -327,6 +327,10 @@ def test_other_work_is_the_cpu_time_all_processes_used_less_monet_s_own(monkeypa
         now(others=0.4)
         sharing.warn_if_shared(start, "it ran", "so")
         sharing.warn_if_shared(None, "it ran", "so")
+        short = sharing.CpuTimes(wall_s=10.0 - sharing.MIN_WINDOW_S / 2, busy_s=0.0, own_s=0.0)
+        now(others=0.6)
+        sharing.warn_if_shared(short, "it ran", "so")  # too short a window to judge
+        assert sharing.others_busy_since(short) is None
         monkeypatch.setattr(sharing.torch, "get_num_threads", lambda: 1)  # one CPU left free
         now(others=1.4)
         sharing.warn_if_shared(start, "it ran", "so")
@@ -369,8 +373,9 @@ def test_profile_and_apply_warn_when_another_process_works_beside_their_timed_st
     model = SegmentModel(profile)
     call = next(c for c, seg in model.segments.items() if seg.burst_pos is not None)
     schedule = plan_schedule(profile, {call: frozenset()}, peaks=1, model=model)
+    pairs = 3 + int(1.5 * sharing.MIN_WINDOW_S * 1000 / (2 * profile.baseline.step_ms))  # long enough to judge
     with _another_process_spinning(), pytest.warns(UserWarning, match="busy while apply timed its steps"):
-        run_apply(schedule, CPU, steps=3, check=False)
+        run_apply(schedule, CPU, steps=pairs, check=False)
 
 
 def test_a_model_whose_module_calls_change_between_steps_is_refused():

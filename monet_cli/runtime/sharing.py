@@ -22,6 +22,11 @@ SPARE_CPUS = 0.5
 """Other processes may keep this many CPUs busy on average beyond those torch's threads leave
 free before monet warns: a daemon's wake-ups stay under it, a second busy process does not."""
 
+MIN_WINDOW_S = 1.0
+"""Both clocks count whole ticks (10 ms on Linux): over the 30 ms of three pairs of a small
+model's steps, the suite's ``apply`` runs with no other process running read 0.5 to 1.5 CPUs
+of other work. Shorter windows are not judged."""
+
 _STAT = "/proc/stat"
 
 
@@ -72,9 +77,11 @@ def others_busy_cpus(start: CpuTimes, end: CpuTimes) -> float:
 
 def others_busy_since(start: CpuTimes | None) -> float | None:
     """CPUs other processes kept busy on average since ``start``; None where the readings
-    cannot be taken."""
+    cannot be taken or lie less than ``MIN_WINDOW_S`` apart."""
     end = read_cpu_times()
-    return None if start is None or end is None else others_busy_cpus(start, end)
+    if start is None or end is None or end.wall_s - start.wall_s < MIN_WINDOW_S:
+        return None
+    return others_busy_cpus(start, end)
 
 
 def warn_if_shared(start: CpuTimes | None, timed: str, consequence: str) -> None:

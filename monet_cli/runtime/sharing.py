@@ -23,9 +23,9 @@ SPARE_CPUS = 0.5
 free before monet warns: a daemon's wake-ups stay under it, a second busy process does not."""
 
 MIN_WINDOW_S = 1.0
-"""Both clocks count whole ticks (10 ms on Linux): over the 30 ms of three pairs of a small
-model's steps, the suite's ``apply`` runs with no other process running read 0.5 to 1.5 CPUs
-of other work. Shorter windows are not judged."""
+"""Both clocks count whole ticks (10 ms on Linux): over the 4 to 360 ms in which the suite's
+``apply`` runs time their pairs, with no other process running, the reading said 0 to 2.3
+CPUs of other work. Shorter windows than this are not judged."""
 
 _STAT = "/proc/stat"
 

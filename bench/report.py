@@ -304,8 +304,9 @@ def analysis(result: dict[str, Any]) -> list[str]:
         lines.append(f"- timing noise: the unmodified step's own repeats spread over {100 * noise:.1f}% of its median")
     if result.get("other_work_cpus") is not None:
         lines.append(
-            f"- other work on the machine during the repeats: {result['other_work_cpus']:.2f} of its "
-            f"{result['machine']['cpus']} CPUs busy on average (torch ran {result['torch_threads']} threads)"
+            f"- other work on the machine during the repeats: {result['other_work_cpus']:.2f} of the "
+            f"{result['usable_cpus']} CPUs the bench may run on busy on average (torch ran "
+            f"{result['machine']['cpus']} threads)"
         )
     return lines
 

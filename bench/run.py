@@ -46,7 +46,7 @@ from monet_cli.core.solver.search import Hint, Planner  # noqa: E402
 from monet_cli.profiler.run import env_info, profile_model  # noqa: E402
 from monet_cli.runtime.host_memory import keep_freed_host_memory  # noqa: E402
 from monet_cli.runtime.meter import measure_peak  # noqa: E402
-from monet_cli.runtime.sharing import others_busy_since, read_cpu_times  # noqa: E402
+from monet_cli.runtime.sharing import others_busy_since, read_cpu_times, usable_cpus  # noqa: E402
 from monet_cli.workload.resolve import Overrides, resolve_model_spec  # noqa: E402
 from monet_cli.workload.step import build_workload  # noqa: E402
 
@@ -354,7 +354,7 @@ def run_workload(
         "window_step_ms": window_profile.baseline.step_ms,
         "repeats": repeats,
         "other_work_cpus": None if other_work is None else round(other_work, 3),
-        "torch_threads": torch.get_num_threads(),
+        "usable_cpus": len(usable_cpus()),
         "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "points": points,
     }

@@ -312,28 +312,21 @@ def test_other_work_is_the_cpu_time_all_processes_used_less_monet_s_own(monkeypa
 
     monkeypatch.setattr(sharing, "usable_cpus", lambda: {0, 1})
     monkeypatch.setattr(sharing.torch, "get_num_threads", lambda: 2)
-    start = sharing.CpuTimes(wall_s=0.0, busy_s=0.0, own_s=0.0)
-
-    def now(others: float) -> None:
-        monkeypatch.setattr(
-            sharing, "read_cpu_times", lambda: sharing.CpuTimes(wall_s=10.0, busy_s=20.0 + others * 10, own_s=20.0)
-        )
-
-    now(others=0.6)
     with pytest.warns(UserWarning, match="other work kept 0.6 of the 2 CPUs monet may run on busy while it ran .*; so"):
-        sharing.warn_if_shared(start, "it ran", "so")
+        sharing.warn_if_shared(0.6, "it ran", "so")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        now(others=0.4)
-        sharing.warn_if_shared(start, "it ran", "so")
-        sharing.warn_if_shared(None, "it ran", "so")
-        short = sharing.CpuTimes(wall_s=10.0 - sharing.MIN_WINDOW_S / 2, busy_s=0.0, own_s=0.0)
-        now(others=0.6)
-        sharing.warn_if_shared(short, "it ran", "so")  # too short a window to judge
-        assert sharing.others_busy_since(short) is None
+        sharing.warn_if_shared(0.4, "it ran", "so")
+        sharing.warn_if_shared(None, "it ran", "so")  # not read
         monkeypatch.setattr(sharing.torch, "get_num_threads", lambda: 1)  # one CPU left free
-        now(others=1.4)
-        sharing.warn_if_shared(start, "it ran", "so")
+        sharing.warn_if_shared(1.4, "it ran", "so")
+
+    start = sharing.CpuTimes(wall_s=0.0, busy_s=0.0, own_s=0.0)
+    short = sharing.CpuTimes(wall_s=10.0 - sharing.MIN_WINDOW_S / 2, busy_s=0.0, own_s=0.0)
+    monkeypatch.setattr(sharing, "read_cpu_times", lambda: sharing.CpuTimes(wall_s=10.0, busy_s=26.0, own_s=20.0))
+    assert sharing.others_busy_since(start) == pytest.approx(0.6)
+    assert sharing.others_busy_since(short) is None  # too short a window to judge
+    assert sharing.others_busy_since(None) is None
 
 
 @pytest.mark.skipif(
@@ -359,17 +352,26 @@ def test_other_work_counts_only_on_the_cpus_this_process_may_run_on(monkeypatch)
 
 
 @pytest.mark.skipif(not Path("/proc/stat").exists(), reason="reads Linux /proc/stat")
-def test_profile_and_apply_warn_when_another_process_works_beside_their_timed_steps(monkeypatch):
+def test_profile_and_apply_warn_when_another_process_works_beside_their_timed_steps(monkeypatch, tmp_path):
     """A CPU profile, and ``apply``'s timed pairs, beside a process spinning on one CPU: both
     warn, since their times assume the machine to themselves (torch's threads are taken to use
-    every CPU, so the spinner is more than any machine leaves free)."""
+    every CPU, so the spinner is more than any machine leaves free), and the profile records
+    the other work beside the times it qualifies."""
+    from typer.testing import CliRunner
+
+    from monet_cli.cli.app import app
     from monet_cli.core.segments import SegmentModel
     from monet_cli.runtime import sharing
     from monet_cli.runtime.compare import run_apply
 
     monkeypatch.setattr(sharing.torch, "get_num_threads", lambda: len(sharing.usable_cpus()))
-    with _another_process_spinning(), pytest.warns(UserWarning, match="busy while the profile timed its steps"):
+    with _another_process_spinning(), pytest.warns(UserWarning, match="busy while the profile ran"):
         profile = profile_model(small_spec("tests.models_for_tests:skip_cnn"), CPU, steps=1)
+    assert profile.baseline.other_work_cpus > sharing.SPARE_CPUS  # recorded with the times it qualifies
+    save_profile(profile, tmp_path / "p.yaml")
+    assert load_profile(tmp_path / "p.yaml").baseline.other_work_cpus == profile.baseline.other_work_cpus
+    shown = CliRunner().invoke(app, ["inspect", str(tmp_path / "p.yaml")], env={"COLUMNS": "200"})
+    assert f"other work kept {profile.baseline.other_work_cpus:.2f} CPUs busy meanwhile" in shown.stdout
     model = SegmentModel(profile)
     call = next(c for c, seg in model.segments.items() if seg.burst_pos is not None)
     schedule = plan_schedule(profile, {call: frozenset()}, peaks=1, model=model)

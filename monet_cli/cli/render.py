@@ -54,6 +54,7 @@ def profile_summary(profile: Profile, path: str) -> dict[str, Any]:
         "baseline_peak_bytes": profile.baseline.peak_bytes,
         "step_ms": profile.baseline.step_ms,
         "as_written_step_ms": profile.baseline.as_written_step_ms,
+        "other_work_cpus": profile.baseline.other_work_cpus,
         "param_bytes": mem.param_bytes,
         "grad_bytes": mem.grad_bytes,
         "optimizer_state_bytes": mem.optimizer_state_bytes,
@@ -128,7 +129,13 @@ def _step_time(profile: Profile) -> str:
     line = f"{base.step_ms:.1f} ms (median of {base.steps})"
     if base.as_written_step_ms is not None:
         line += f"; {base.as_written_step_ms:.1f} ms with the activations in place, as the model is written"
-    return line
+    return line + _other_work(asdict(base))
+
+
+def _other_work(baseline: dict[str, Any]) -> str:
+    """What other processes took of the CPUs while the profile ran, where read."""
+    cpus = baseline.get("other_work_cpus")
+    return "" if cpus is None else f"; other work kept {cpus:.2f} CPUs busy meanwhile"
 
 
 def _preparation(ms: float) -> str:
@@ -232,7 +239,7 @@ def inspect_tables(report: dict[str, Any]) -> None:
                 "device": f"{report['device']['type']} ({report['device']['name']})",
                 "torch": report["env"]["torch"],
                 "baseline peak": format_bytes(report["baseline"]["peak_bytes"]),
-                "step time": f"{report['baseline']['step_ms']:.1f} ms",
+                "step time": f"{report['baseline']['step_ms']:.1f} ms" + _other_work(report["baseline"]),
                 "ops": f"{report['forward_ops']} forward, {report['backward_ops']} backward+optimizer",
             }
         )

@@ -123,6 +123,10 @@ class Baseline:
     time (in-place activations switched out of place, as every schedule runs them): what a
     schedule's overhead is taken against. Measured paired with ``step_ms``'s steps and put in
     their time; None where nothing is switched or the step is too slow to pair."""
+    other_work_cpus: float | None = None
+    """CPUs other processes kept busy on average while the profile ran, on the CPUs it may run
+    on: its times assume none (``runtime/sharing.py``). None where it was not read (a CUDA
+    profile, not Linux, or a profile made before it was recorded)."""
 
     @property
     def reference_step_ms(self) -> float:

@@ -44,7 +44,7 @@ from monet_cli.profiler.variants import measure_variants
 from monet_cli.runtime.fingerprint import model_modules_hash, warn_if_untested_torch
 from monet_cli.runtime.host_memory import keep_freed_host_memory
 from monet_cli.runtime.meter import alloc_conf, measure_peak
-from monet_cli.runtime.sharing import read_cpu_times, warn_if_shared
+from monet_cli.runtime.sharing import others_busy_since, read_cpu_times, warn_if_shared
 from monet_cli.workload.step import Workload, build_workload, configure_cuda, run_checked
 
 Progress = Callable[[str], None]
@@ -86,6 +86,7 @@ def profile_model(
     the model's own code, and time operator variants (after the plain timed steps: a re-run
     may change model state)."""
     warn_if_untested_torch()
+    cpu_times = read_cpu_times()  # the whole profile: a small model's timed steps take under a second
     configure_cuda(device)
     keep_freed_host_memory()  # steps timed without the page faults glibc's history would add
     workload = run_checked(lambda: build_workload(spec, device), "building the workload")
@@ -105,7 +106,6 @@ def profile_model(
         progress("measuring host-device copies")
     transfer = measure_transfer(device)
     timings = Timings()
-    cpu_times = read_cpu_times()
     for i in range(steps):
         progress(f"timing ops (step {i + 1}/{steps})")
         timings.op_ms.append(run_checked(lambda: _timed_ops(workload, recorder), "timed step"))
@@ -146,14 +146,15 @@ def profile_model(
     variants = run_checked(lambda: measure_variants(workload, find_sites(profile)), "measuring operator variants")
     progress("timing the step again (has the machine's speed changed?)")
     run_checked(lambda: warn_on_speed_change(workload, timings.step_ms), "timed step")
-    if device.type == "cpu":
-        warn_if_shared(
-            cpu_times,
-            "the profile timed its steps",
-            "its times, and the overheads predicted from them, assume the machine to itself: "
-            "profile again on a quiet machine before trusting them",
-        )
-    return replace(profile, transfer=transfer, variants=variants)
+    other_work = others_busy_since(cpu_times) if device.type == "cpu" else None
+    warn_if_shared(
+        other_work,
+        "the profile ran",
+        "its times, and the overheads predicted from them, assume the machine to itself: "
+        "profile again on a quiet machine before trusting them",
+    )
+    baseline = replace(profile.baseline, other_work_cpus=None if other_work is None else round(other_work, 3))
+    return replace(profile, baseline=baseline, transfer=transfer, variants=variants)
 
 
 def warn_on_speed_change(workload: Workload, step_ms: list[float]) -> None:

@@ -26,7 +26,7 @@ from monet_cli.errors import FingerprintError, ModelError
 from monet_cli.runtime.executor import apply_schedule, machinery
 from monet_cli.runtime.host_memory import keep_freed_host_memory
 from monet_cli.runtime.meter import measure_peak
-from monet_cli.runtime.sharing import read_cpu_times, warn_if_shared
+from monet_cli.runtime.sharing import others_busy_since, read_cpu_times, warn_if_shared
 from monet_cli.workload.step import Workload, build_workload, configure_cuda, run_checked
 
 CHECK_SEED = 1234
@@ -306,12 +306,11 @@ def run_apply(
     )
     cpu_times = read_cpu_times()
     base_ms, sched_ms = _timed_pairs(baseline, scheduled, steps, progress)
-    if device.type == "cpu":
-        warn_if_shared(
-            cpu_times,
-            "apply timed its steps",
-            "the measured overhead may say more about that work than about the schedule",
-        )
+    warn_if_shared(
+        others_busy_since(cpu_times) if device.type == "cpu" else None,
+        "apply timed its steps",
+        "the measured overhead may say more about that work than about the schedule",
+    )
     return ApplyReport(
         budget_bytes=schedule.budget_bytes,
         predicted_peak_bytes=schedule.predicted.peak_bytes,

@@ -5,7 +5,7 @@ machine to itself. On this project's 2-core CPU a timm vit_tiny step profiled be
 run took 732 ms against 243 ms quiet, and the profile predicted +3.6% for a schedule that then
 measured +18% (12-05). Its last plain steps ran as slowly as its first, so the warning on a
 change of speed did not fire. So the profile counts the CPU time all processes used while
-it timed (Linux ``/proc/stat``) less its own (``os.times``, every thread of it): what is left
+it ran (Linux ``/proc/stat``) less its own (``os.times``, every thread of it): what is left
 is other processes' work. ``monet apply`` does the same around the pairs it times.
 """
 
@@ -84,11 +84,10 @@ def others_busy_since(start: CpuTimes | None) -> float | None:
     return others_busy_cpus(start, end)
 
 
-def warn_if_shared(start: CpuTimes | None, timed: str, consequence: str) -> None:
-    """Warn when other work kept busy, since ``start``, more than ``SPARE_CPUS`` beyond the CPUs
-    torch's threads leave free (nothing where the readings cannot be taken): "other work kept
-    ... busy while {timed}; {consequence}"."""
-    busy = others_busy_since(start)
+def warn_if_shared(busy: float | None, timed: str, consequence: str) -> None:
+    """Warn when other work kept ``busy`` CPUs busy (``others_busy_since``), more than
+    ``SPARE_CPUS`` beyond those torch's threads leave free; nothing where it was not read:
+    "other work kept ... busy while {timed}; {consequence}"."""
     cpus, threads = len(usable_cpus()), torch.get_num_threads()
     if busy is not None and busy > max(0, cpus - threads) + SPARE_CPUS:
         warnings.warn(

@@ -129,12 +129,11 @@ def _step_time(profile: Profile) -> str:
     line = f"{base.step_ms:.1f} ms (median of {base.steps})"
     if base.as_written_step_ms is not None:
         line += f"; {base.as_written_step_ms:.1f} ms with the activations in place, as the model is written"
-    return line + _other_work(asdict(base))
+    return line + _other_work(base.other_work_cpus)
 
 
-def _other_work(baseline: dict[str, Any]) -> str:
+def _other_work(cpus: float | None) -> str:
     """What other processes took of the CPUs while the profile ran, where read."""
-    cpus = baseline.get("other_work_cpus")
     return "" if cpus is None else f"; other work kept {cpus:.2f} CPUs busy meanwhile"
 
 
@@ -239,7 +238,8 @@ def inspect_tables(report: dict[str, Any]) -> None:
                 "device": f"{report['device']['type']} ({report['device']['name']})",
                 "torch": report["env"]["torch"],
                 "baseline peak": format_bytes(report["baseline"]["peak_bytes"]),
-                "step time": f"{report['baseline']['step_ms']:.1f} ms" + _other_work(report["baseline"]),
+                "step time": f"{report['baseline']['step_ms']:.1f} ms"
+                + _other_work(report["baseline"]["other_work_cpus"]),
                 "ops": f"{report['forward_ops']} forward, {report['backward_ops']} backward+optimizer",
             }
         )

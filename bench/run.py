@@ -353,7 +353,7 @@ def run_workload(
         },
         "window_step_ms": window_profile.baseline.step_ms,
         "repeats": repeats,
-        "other_work_cpus": None if other_work is None else round(other_work, 3),
+        "other_work_cpus": other_work,
         "usable_cpus": len(usable_cpus()),
         "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "points": points,

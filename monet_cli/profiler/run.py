@@ -153,7 +153,7 @@ def profile_model(
         "its times, and the overheads predicted from them, assume the machine to itself: "
         "profile again on a quiet machine before trusting them",
     )
-    baseline = replace(profile.baseline, other_work_cpus=None if other_work is None else round(other_work, 3))
+    baseline = replace(profile.baseline, other_work_cpus=other_work)
     return replace(profile, baseline=baseline, transfer=transfer, variants=variants)
 
 

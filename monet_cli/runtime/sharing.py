@@ -68,20 +68,17 @@ def usable_cpus() -> set[int]:
 
 
 def others_busy_cpus(start: CpuTimes, end: CpuTimes) -> float:
-    """CPUs other processes kept busy on average between two readings."""
-    wall_s = end.wall_s - start.wall_s
-    if wall_s <= 0:
-        return 0.0
-    return max(0.0, (end.busy_s - start.busy_s) - (end.own_s - start.own_s)) / wall_s
+    """CPUs other processes kept busy on average between two readings (``end`` later)."""
+    return max(0.0, (end.busy_s - start.busy_s) - (end.own_s - start.own_s)) / (end.wall_s - start.wall_s)
 
 
 def others_busy_since(start: CpuTimes | None) -> float | None:
-    """CPUs other processes kept busy on average since ``start``; None where the readings
-    cannot be taken or lie less than ``MIN_WINDOW_S`` apart."""
+    """CPUs other processes kept busy on average since ``start``, to 0.001 (the clocks count
+    10 ms ticks); None where the readings cannot be taken or lie less than ``MIN_WINDOW_S`` apart."""
     end = read_cpu_times()
     if start is None or end is None or end.wall_s - start.wall_s < MIN_WINDOW_S:
         return None
-    return others_busy_cpus(start, end)
+    return round(others_busy_cpus(start, end), 3)
 
 
 def warn_if_shared(busy: float | None, timed: str, consequence: str) -> None:

@@ -340,9 +340,12 @@ class RangeNet(nn.Module):
     buffer it writes, dropout and a gated activation, an in-place add on a tensor it made,
     one module called twice, and a residual from its input. ``extra`` adds one own op (the
     same modules, another op sequence); ``island`` a float32 matmul with autocast switched off
-    (as transformers' rotary embeddings and RMSNorm do). Input [N, width]."""
+    (as transformers' rotary embeddings and RMSNorm do); ``numpy`` a scale read through a numpy
+    array. Input [N, width]."""
 
-    def __init__(self, width: int = 16, num_classes: int = 5, extra: bool = False, island: bool = False) -> None:
+    def __init__(
+        self, width: int = 16, num_classes: int = 5, extra: bool = False, island: bool = False, numpy: bool = False
+    ) -> None:
         super().__init__()
         self.up = nn.Linear(width, 4 * width)
         self.act = nn.ReLU()
@@ -352,6 +355,7 @@ class RangeNet(nn.Module):
         self.register_buffer("calls", torch.zeros((), dtype=torch.long))
         self.extra = extra
         self.mix = nn.Parameter(torch.eye(4 * width) + 0.01) if island else None
+        self.numpy = numpy
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.calls.add_(1)
@@ -362,14 +366,18 @@ class RangeNet(nn.Module):
         g.add_(1.0)
         if self.extra:
             g = g * 0.5
+        if self.numpy:  # a scale read through a numpy array
+            g = g / float(g.detach().amax().numpy())
         if self.mix is not None:
             with torch.autocast(x.device.type, enabled=False):
                 g = g.float() @ self.mix
         return self.head(x + self.down(g))
 
 
-def range_net(width: int = 16, num_classes: int = 5, extra: bool = False, island: bool = False) -> nn.Module:
-    return RangeNet(width, num_classes, extra, island)
+def range_net(
+    width: int = 16, num_classes: int = 5, extra: bool = False, island: bool = False, numpy: bool = False
+) -> nn.Module:
+    return RangeNet(width, num_classes, extra, island, numpy)
 
 
 class NormAttentionNet(nn.Module):

@@ -351,8 +351,8 @@ def test_an_op_range_is_priced_on_the_model_s_own_code(range_net_profile, monkey
 
 def test_a_mode_a_call_pushes_in_its_pre_hook_stays_on_top(range_net_profile):
     """The recorder steps off the mode stack while a call runs only when it is on top: a mode a
-    hook pushed above it (registered before the range's hooks: a user's op counter, say) stays,
-    sees the call's ops as without the schedule, and the gradients equal the unmodified model's."""
+    hook pushed above it (a user's op counter, say, put before the range's hooks) stays, sees
+    the call's ops as without the schedule, and the gradients equal the unmodified model's."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from monet_cli.runtime.executor import apply_schedule
@@ -372,10 +372,10 @@ def test_a_mode_a_call_pushes_in_its_pre_hook_stays_on_top(range_net_profile):
     modes: list[TorchDispatchMode] = []
     for scheduled in (False, True):
         workload = build_workload(_range_net_spec(), CPU)
-        workload.model.bn.register_forward_pre_hook(lambda *_: modes.append(Counting().__enter__()))
-        workload.model.bn.register_forward_hook(lambda *_: modes.pop().__exit__(None, None, None))
         if scheduled:
             apply_schedule(workload.model, schedule)
+        workload.model.bn.register_forward_pre_hook(lambda *_: modes.append(Counting().__enter__()), prepend=True)
+        workload.model.bn.register_forward_hook(lambda *_: modes.pop().__exit__(None, None, None))
         torch.manual_seed(0)
         workload.zero_grad()
         Counting.seen = 0
@@ -405,6 +405,45 @@ def test_a_range_refuses_another_op_sequence_and_leaves_nothing_behind(range_net
     from torch.utils._python_dispatch import _get_current_dispatch_mode
 
     assert _get_current_dispatch_mode() is None
+
+
+@pytest.mark.parametrize(("numpy", "by_torch_calls"), [(False, True), (True, False)])
+def test_a_range_tapes_torch_calls_after_its_first_forward_unless_it_cannot_follow_them(
+    numpy, by_torch_calls, monkeypatch
+):
+    """A range's first forward writes its tape op by op, as the profile counted them; the later
+    ones write the module's torch calls, unless the first showed the tape could not follow
+    them: here a torch call's result goes on through a numpy array, so it stays op by op.
+    Either way the steps hold the simulator and the unmodified model's results."""
+    from monet_cli.runtime.ranges import RangeSegment
+
+    installed: list[RangeSegment] = []
+    install = RangeSegment.install
+    monkeypatch.setattr(RangeSegment, "install", lambda self: (installed.append(self), install(self))[1])
+    profile = profile_model(_range_net_spec(numpy=numpy), CPU, steps=1)
+    model = SegmentModel(profile)
+    largest = max(_ranges(model).values(), key=lambda c: model.ranges[c].own_ops)
+    schedule = _check(profile, {largest: frozenset()}, exact=False)
+    ours = [r for r in installed if r.decision == schedule.segments[0]]
+    assert len(ours) == 2 and all((r.first_torch_calls is not None) == by_torch_calls for r in ours)
+    assert all(r.ops_only != by_torch_calls for r in ours)
+
+
+def test_a_range_refuses_own_code_whose_torch_calls_change(range_net_profile):
+    """Own code that takes another path after the first forward is caught at the torch calls."""
+    from torch.overrides import _get_current_function_mode
+
+    model = SegmentModel(range_net_profile)
+    schedule = plan_schedule(range_net_profile, {_ranges(model)["<model>[13:21]"]: frozenset()})
+    workload = build_workload(_range_net_spec(), CPU)
+    monet_cli.apply(workload.model, schedule)
+    workload.step()
+    workload.zero_grad()
+    workload.model.extra = True
+    with pytest.raises(FingerprintError, match="its own code made 4 torch calls where its first forward made 3"):
+        workload.step()
+    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+    assert _get_current_function_mode() is None
 
 
 def test_solve_counts_ranges_and_inspect_and_validate_show_them(range_net_profile, tmp_path):

@@ -378,8 +378,10 @@ def guard_batchnorms(segment: nn.Module, *, itself: bool = False) -> Callable[[]
         if isinstance(module, nn.modules.batchnorm._BatchNorm) and not getattr(module, "_monet_guarded", False):
             handles.append((module, module.register_forward_pre_hook(_bn_pre_hook)))
             # always_call: checkpoint stops a recompute by raising from inside the
-            # BatchNorm (after its last saved tensor); the restore must still run.
-            handles.append((module, module.register_forward_hook(_bn_post_hook, always_call=True)))
+            # BatchNorm (after its last saved tensor); the restore must still run. prepend: an
+            # op range's hook that ends the call runs after it, so the range's recorder does
+            # not take the restore for the model's own code.
+            handles.append((module, module.register_forward_hook(_bn_post_hook, always_call=True, prepend=True)))
             module._monet_guarded = True
 
     def remove() -> None:

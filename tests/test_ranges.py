@@ -5,6 +5,7 @@ replayed tape holds the simulator's timeline op by op and the unmodified model's
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -321,17 +322,12 @@ def test_an_op_range_is_priced_on_the_model_s_own_code(range_net_profile, monkey
     assert probe._probe(SegmentModel(range_net_profile)) is None
     workload = build_workload(spec, CPU)
     times = probe._timed(workload, found.range)  # the range replays as recorded
-    assert min(astuple(times)) > 0 and times.forward_ms < times.checkpoint_ms
-    assert times.checkpoint_forward_ms < times.checkpoint_ms and times.range_forward_ms < times.range_ms
+    assert times.forward_ms > 0 and all(math.isfinite(ms) for ms in astuple(times))
 
     wall = profile.calls[found.call].time_ms
     # The machine runs twice as slow as in the profile's steps: the differences count half.
     given = probe._Times(
-        forward_ms=2 * wall,
-        checkpoint_forward_ms=4.0,
-        range_forward_ms=4.0 + 2 * 1.0,
-        checkpoint_ms=10.0,
-        range_ms=10.0 + 2 * 3.0,
+        forward_ms=2 * wall, range_over_checkpoint_ms=2 * 3.0, range_forward_over_checkpoint_ms=2 * 1.0
     )
     monkeypatch.setattr(probe, "_timed", lambda *_args: given)
     measured = probe.probe_overheads(workload, profile)

@@ -1,19 +1,20 @@
 """Price an op range on the model's own code: what its tape really costs.
 
 The profile prices an op range's tape on a chain of one-argument ops (``overheads.py``). The
-model's own ops cost the tape more than tanh does (views with size lists, transposes, splits
-into lists): on tiny_gpt (batch 16, on a fast spell of this machine) a range's recorder took
-about 45 us per own op in the forward, where the chain priced recording and replay together
-at 2 to 34 us.
+model's own code costs the tape otherwise than tanh does: when the tape held aten ops, views
+with size lists, transposes and splits into lists made tiny_gpt's recorder (batch 16, on a
+fast spell of this machine) take about 45 us per own op in the forward, where the chain
+priced recording and replay together at 2 to 34 us; now that it holds torch calls, an own op
+costs what its share of a torch call does (tiny_gpt's block: 41 own ops in 13 torch calls).
 
 So where the profile offers ranges, the module holding the most own ops among their modules
 is run alone, on copies, on the inputs it gets in the step, interleaved: its forward alone,
 and under plain checkpoint and as one op range over its whole forward, each the forward
 alone and forward and backward. The forward against the call's wall time in the profile's
 steps says how fast the machine runs now, and the differences are taken in the profile's
-time: the range minus checkpoint (both re-run the same ops under the same frame: the range
-adds its tape) divided by its own ops is the tape's price per own op, and the same of the
-forwards alone its recording's share. A nested range is recorded again in its outer
+time: the range minus checkpoint in each round (both re-run the same ops under the same
+frame: the range adds its tape), their median divided by its own ops, is the tape's price per
+own op, and the same of the forwards alone its recording's share. A nested range is recorded again in its outer
 segment's recompute: priced at a whole record and replay, tiny_gpt's smallest-peak plan (two
 blocks, each with a range of 39 own ops nested) ran 5 points faster than predicted.
 
@@ -45,14 +46,14 @@ ROUNDS = 21
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class _Times:
-    """Median ms of the module run alone: its plain forward, and under plain checkpoint and as
-    the range, the forward alone and forward and backward."""
+    """Of the module run alone, in ms: the median of its plain forward, and medians of paired
+    differences (one a round) of the range over plain checkpoint, forward and backward and the
+    forward alone. Pairs rather than a difference of medians: over six runs of 21 rounds on
+    tiny_gpt's block (12-06) the pairs gave 14 to 25 us an own op, the medians 18 to 43."""
 
     forward_ms: float
-    checkpoint_forward_ms: float
-    range_forward_ms: float
-    checkpoint_ms: float
-    range_ms: float
+    range_over_checkpoint_ms: float
+    range_forward_over_checkpoint_ms: float
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -85,11 +86,11 @@ def probe_overheads(workload: Workload, profile: Profile) -> Overheads:
     def per_own_op(ms: float) -> float:
         return round(max(0.0, ms / now / probe.range.own_ops), 6)
 
-    range_op_ms = per_own_op(times.range_ms - times.checkpoint_ms)
+    range_op_ms = per_own_op(times.range_over_checkpoint_ms)
     return replace(
         profile.overheads,
         range_op_ms=range_op_ms,
-        range_record_op_ms=min(range_op_ms, per_own_op(times.range_forward_ms - times.checkpoint_forward_ms)),
+        range_record_op_ms=min(range_op_ms, per_own_op(times.range_forward_over_checkpoint_ms)),
     )
 
 
@@ -137,13 +138,11 @@ def _timed(workload: Workload, whole: SegmentDecision) -> _Times:
         step_of(ranged, inputs),
     )
     interleaved(runs, workload, 1)  # warm-up
-    forward, checkpoint_forward, range_forward, checkpointed_step, range_step = (
-        statistics.median(column) for column in zip(*interleaved(runs, workload, ROUNDS))
+    forward, checkpoint_forward, range_forward, checkpointed_step, range_step = zip(
+        *interleaved(runs, workload, ROUNDS)
     )
     return _Times(
-        forward_ms=forward,
-        checkpoint_forward_ms=checkpoint_forward,
-        range_forward_ms=range_forward,
-        checkpoint_ms=checkpointed_step,
-        range_ms=range_step,
+        forward_ms=statistics.median(forward),
+        range_over_checkpoint_ms=statistics.median(r - c for r, c in zip(range_step, checkpointed_step)),
+        range_forward_over_checkpoint_ms=statistics.median(r - c for r, c in zip(range_forward, checkpoint_forward)),
     )

@@ -467,3 +467,24 @@ def outside_call_net(width: int = 16, num_classes: int = 5) -> nn.Module:
     return nn.Sequential(
         _OutsideCallBlock(width, outside=True), _OutsideCallBlock(width, outside=False), nn.Linear(width, num_classes)
     )
+
+
+class IndexingNet(nn.Module):
+    """Own code that indexes with tuples of slices, None and an Ellipsis, as attention code
+    does, between two Linears. Input [N, width]."""
+
+    def __init__(self, width: int = 16, num_classes: int = 5) -> None:
+        super().__init__()
+        self.up = nn.Linear(width, 2 * width)
+        self.mid = nn.Linear(width, width)
+        self.head = nn.Linear(width, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.up(x)
+        half = h.shape[-1] // 2
+        g = h[..., :half] * h[:, None, half:].squeeze(1)
+        return self.head(x + self.mid(torch.tanh(g)))
+
+
+def indexing_net(width: int = 16, num_classes: int = 5) -> nn.Module:
+    return IndexingNet(width, num_classes)

@@ -425,6 +425,22 @@ def test_a_range_tapes_torch_calls_after_its_first_forward_unless_it_cannot_foll
     assert all(r.ops_only != by_torch_calls for r in ours)
 
 
+def test_a_range_replays_tuple_indexes_as_tuples():
+    """``h[:, None, a:]`` passes its index as a tuple; replayed as a list it would be another
+    index (PyTorch warns that it will be). The replay keeps each argument's container type."""
+    import warnings
+
+    spec = small_spec("tests.models_for_tests:indexing_net", shape=(16,), batch_size=8)
+    profile = profile_model(spec, CPU, steps=1)
+    model = SegmentModel(profile)
+    largest = max(_ranges(model).values(), key=lambda c: model.ranges[c].own_ops)
+    assert model.ranges[largest].own_ops >= 4
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _check(profile, {largest: frozenset()})
+    assert not [w for w in caught if "non-tuple sequence" in str(w.message)]
+
+
 def test_a_range_refuses_own_code_whose_torch_calls_change(range_net_profile):
     """Own code that takes another path after the first forward is caught at the torch calls."""
     from torch.overrides import _get_current_function_mode

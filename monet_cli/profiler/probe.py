@@ -14,9 +14,10 @@ alone and forward and backward. The forward against the call's wall time in the 
 steps says how fast the machine runs now, and the differences are taken in the profile's
 time: the range minus checkpoint in each round (both re-run the same ops under the same
 frame: the range adds its tape), their median divided by its own ops, is the tape's price per
-own op, and the same of the forwards alone its recording's share. A nested range is recorded again in its outer
-segment's recompute: priced at a whole record and replay, tiny_gpt's smallest-peak plan (two
-blocks, each with a range of 39 own ops nested) ran 5 points faster than predicted.
+own op, and the same of the forwards alone its recording's share. A nested range is recorded
+again in its outer segment's recompute: priced at a whole record and replay, tiny_gpt's
+smallest-peak plan (two blocks, each with a range of 39 own ops nested) ran 5 points faster
+than predicted.
 
 What a recompute's code costs beyond its calls' wall times is timed in the step
 (``in_step.py``): timed here, on a block alone, it came out higher than in the step.

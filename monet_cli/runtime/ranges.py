@@ -168,6 +168,10 @@ class _OffDuringCalls:
 
     paused = False
 
+    def __init__(self, owner: RangeSegment) -> None:
+        super().__init__()
+        self.owner = owner
+
     def on_top(self) -> bool:
         raise NotImplementedError
 
@@ -191,8 +195,7 @@ class _FunctionRecorder(_OffDuringCalls, TorchFunctionMode):
     False) it only counts them and marks when one runs, for the op recorder's check."""
 
     def __init__(self, owner: RangeSegment, *, writes: bool) -> None:
-        super().__init__()
-        self.owner = owner
+        super().__init__(owner)
         self.writes = writes
 
     def on_top(self) -> bool:
@@ -212,17 +215,13 @@ class _FunctionRecorder(_OffDuringCalls, TorchFunctionMode):
         finally:
             owner.in_torch_call -= 1
         if not all(isinstance(leaf, _FOLLOWED) for leaf in _output_leaves(output)):
-            owner.ops_only = True  # an iterator, say: the tensors it yields would look older than the range
+            owner.ops_only = True  # a numpy array, say: what is made from it would look older than the range
         return output
 
 
 class _OpRecorder(_OffDuringCalls, TorchDispatchMode):
     """Writes the module's own aten ops to the tape (a range's first forward), counting them as
     the profile does, and those no torch function call ran."""
-
-    def __init__(self, owner: RangeSegment) -> None:
-        super().__init__()
-        self.owner = owner
 
     def on_top(self) -> bool:
         return _get_current_dispatch_mode() is self
@@ -267,42 +266,47 @@ def _written(func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
     return written
 
 
-class _ArgLayout(NamedTuple):
-    """Where a call's arguments sit among its leaves: per argument, the length of the list it
-    is (None: a single value), then the keyword names."""
+_SEQUENCES = (list, tuple, torch.Size)
+"""Argument containers flattened by hand, and rebuilt as the same type (``x[a, b]`` indexes with
+a tuple, where a list would be another index)."""
 
-    lengths: tuple[int | None, ...]
+
+class _ArgLayout(NamedTuple):
+    """Where a call's arguments sit among its leaves: per argument, None for a single value or
+    the container type and length of a sequence, then the keyword names."""
+
+    sequences: tuple[tuple[type, int] | None, ...]
     positional: int
     names: tuple[str, ...]
 
 
 def _arg_leaves(args: tuple, kwargs: dict) -> tuple[list[Any], Any]:
     leaves: list[Any] = []
-    lengths: list[int | None] = []
+    sequences: list[tuple[type, int] | None] = []
     for value in (*args, *kwargs.values()):
-        if isinstance(value, (list, tuple)):
-            if any(isinstance(item, (list, tuple, dict)) for item in value):
-                return tree_flatten((args, kwargs))
-            lengths.append(len(value))
+        kind = type(value)
+        if kind in _SEQUENCES and not any(isinstance(item, (list, tuple, dict)) for item in value):
+            sequences.append((kind, len(value)))
             leaves.extend(value)
-        elif isinstance(value, dict):
+        elif isinstance(value, (list, tuple, dict)):
             return tree_flatten((args, kwargs))
         else:
-            lengths.append(None)
+            sequences.append(None)
             leaves.append(value)
-    return leaves, _ArgLayout(tuple(lengths), len(args), tuple(kwargs))
+    return leaves, _ArgLayout(tuple(sequences), len(args), tuple(kwargs))
 
 
 def _arguments(leaves: list[Any], spec: Any) -> tuple[Any, dict[str, Any]]:
     if not isinstance(spec, _ArgLayout):
         return tree_unflatten(leaves, spec)
     values, k = [], 0
-    for length in spec.lengths:
-        if length is None:
+    for sequence in spec.sequences:
+        if sequence is None:
             values.append(leaves[k])
             k += 1
         else:
-            values.append(leaves[k : k + length])
+            kind, length = sequence
+            values.append(kind(leaves[k : k + length]))
             k += length
     return values[: spec.positional], dict(zip(spec.names, values[spec.positional :]))
 

@@ -285,7 +285,7 @@ def _arg_leaves(args: tuple, kwargs: dict) -> tuple[list[Any], Any]:
     sequences: list[tuple[type, int] | None] = []
     for value in (*args, *kwargs.values()):
         kind = type(value)
-        if kind in _SEQUENCES and not any(isinstance(item, (list, tuple, dict)) for item in value):
+        if kind in _SEQUENCES and _flat(value):
             sequences.append((kind, len(value)))
             leaves.extend(value)
         elif isinstance(value, (list, tuple, dict)):
@@ -311,11 +311,16 @@ def _arguments(leaves: list[Any], spec: Any) -> tuple[Any, dict[str, Any]]:
     return values[: spec.positional], dict(zip(spec.names, values[spec.positional :]))
 
 
+def _flat(sequence: Sequence[Any]) -> bool:
+    """No container inside: the sequence's items are its leaves."""
+    return not any(isinstance(item, (list, tuple, dict)) for item in sequence)
+
+
 def _output_leaves(output: Any) -> Sequence[Any]:
     """A call's outputs, flattened."""
     if isinstance(output, torch.Tensor):
         return (output,)
-    if isinstance(output, (list, tuple)) and not any(isinstance(item, (list, tuple, dict)) for item in output):
+    if isinstance(output, (list, tuple)) and _flat(output):
         return output
     return tree_flatten(output)[0]
 
@@ -394,7 +399,7 @@ class RangeSegment:
             self._open((args, kwargs))
         if self.frame is not None:
             self.in_call = module
-            leaves, spec = tree_flatten((args, kwargs))
+            leaves, spec = _arg_leaves(args, kwargs)
             self.call_entry = self.entry(module, leaves, spec, is_call=True)
             for mode in self.modes:
                 mode.pause()

@@ -488,3 +488,46 @@ class IndexingNet(nn.Module):
 
 def indexing_net(width: int = 16, num_classes: int = 5) -> nn.Module:
     return IndexingNet(width, num_classes)
+
+
+class _Square(torch.autograd.Function):
+    """x * x with its own backward, saving its input alone (autograd's mul saves it twice)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x)
+        return x * x
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        (x,) = ctx.saved_tensors
+        return 2 * x * grad
+
+
+class _SquareBlock(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.a = nn.Linear(width, width)
+        self.b = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.b(torch.tanh(_Square.apply(self.a(x))))
+
+
+class FunctionNet(nn.Module):
+    """A custom autograd Function in the model's own code, between two Linears, and in a block's
+    forward. Input [N, width]."""
+
+    def __init__(self, width: int = 16, num_classes: int = 5) -> None:
+        super().__init__()
+        self.up = nn.Linear(width, width)
+        self.block = _SquareBlock(width)
+        self.head = nn.Linear(width, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = _Square.apply(torch.tanh(self.up(x)) * 2.0) + 1.0
+        return self.head(self.block(torch.sigmoid(h) * h))
+
+
+def function_net(width: int = 16, num_classes: int = 5) -> nn.Module:
+    return FunctionNet(width, num_classes)

@@ -219,6 +219,10 @@ class OpRecord:
     workspace_bytes: int = 0
     """CUDA: the allocator's peak inside the op above its level once the op returned
     (cuBLAS and cuDNN workspaces, a kernel's temporaries). Not measured on CPU."""
+    in_autograd_function: bool = False
+    """Run by a custom ``torch.autograd.Function``'s forward. An op range cannot hold it among
+    its own ops: its replay would run the Function's ops, not the Function, and autograd would
+    save other tensors than the forward did. False in profiles made before it was recorded."""
 
 
 @flow_row
@@ -387,9 +391,16 @@ class Profile:
         return sum(op.time_ms for op in self.ops) + sum(op.time_ms for op in self.backward)
 
 
-# Written only where measured (CUDA), so CPU profiles do not repeat a zero on every op.
+# Written only where measured (CUDA) or where they hold (a custom Function's ops), so a
+# profile does not repeat a default on every op.
 OMITTED_WHEN_DEFAULT = frozenset(
-    {"OpRecord.workspace_bytes", "BackwardOp.workspace_bytes", "Profile.transfer", "DeviceInfo.alloc_conf"}
+    {
+        "OpRecord.workspace_bytes",
+        "OpRecord.in_autograd_function",
+        "BackwardOp.workspace_bytes",
+        "Profile.transfer",
+        "DeviceInfo.alloc_conf",
+    }
 )
 
 

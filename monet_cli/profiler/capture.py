@@ -57,6 +57,7 @@ class RawOp:
     signature: str
     workspace: int = 0
     """CUDA: allocator bytes the op took and gave back before returning."""
+    in_autograd_function: bool = False
 
 
 @dataclass
@@ -166,6 +167,9 @@ class StepRecorder(LiveStorageMeter):
                 outputs=outputs,
                 signature=signature(inputs),
                 workspace=workspace,
+                # A custom Function's forward runs with forward-mode AD off, as nothing else
+                # in a training step does (inference mode aside, which saves nothing).
+                in_autograd_function=not torch._C._is_fwd_grad_enabled(),
             )
         )
         self.pos = pos + 1

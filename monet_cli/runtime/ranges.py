@@ -235,6 +235,8 @@ class _OpRecorder(_OffDuringCalls, TorchDispatchMode):
             owner.own_ops += 1
         if not owner.in_torch_call:
             owner.ops_only = True
+        if not torch._C._is_fwd_grad_enabled():
+            owner.in_autograd_function = True
         return owner.record(func, args, kwargs, _NO_AUTOCAST)
 
 
@@ -353,6 +355,8 @@ class RangeSegment:
         self.in_torch_call = 0
         self.ops_only = False
         """Some own code runs ops no torch call shows, or returns what the tape cannot follow."""
+        self.in_autograd_function = False
+        """Some own op ran in a custom autograd Function's forward (``OpRecord.in_autograd_function``)."""
         self.first_torch_calls: int | None = None
         """Own torch calls of the first forward, once it showed the torch calls can write the tape."""
         self.ids: dict[int, int] = {}
@@ -509,6 +513,11 @@ class RangeSegment:
         if len(calls) != len(self.calls) or any(a is not b for a, b in zip(calls, self.calls)):
             self._fail("its calls differ from the profiled ones")
         if self.first_torch_calls is None:
+            if self.in_autograd_function:
+                self._fail(
+                    "its own code calls a custom autograd Function, which a range cannot replay "
+                    "(profiles made by this monet offer no such range): profile the model again"
+                )
             if self.own_ops != self.decision.own_ops:
                 self._fail(
                     f"it ran {self.own_ops} of the module's own ops where the profile saw {self.decision.own_ops}"

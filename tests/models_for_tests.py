@@ -531,3 +531,24 @@ class FunctionNet(nn.Module):
 
 def function_net(width: int = 16, num_classes: int = 5) -> nn.Module:
     return FunctionNet(width, num_classes)
+
+
+class GeneratorNet(nn.Module):
+    """Own code that masks with random numbers from the model's own generator (augmentation and
+    diffusion code pass one), between two Linears. Input [N, width]."""
+
+    def __init__(self, width: int = 16, num_classes: int = 5) -> None:
+        super().__init__()
+        self.up = nn.Linear(width, width)
+        self.mid = nn.Linear(width, width)
+        self.head = nn.Linear(width, num_classes)
+        self.generator = torch.Generator().manual_seed(0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.up(x)) * 2.0
+        keep = torch.rand(h.shape, generator=self.generator) > 0.25
+        return self.head(x + self.mid(torch.sigmoid(h) * keep))
+
+
+def generator_net(width: int = 16, num_classes: int = 5) -> nn.Module:
+    return GeneratorNet(width, num_classes)

@@ -458,38 +458,50 @@ def test_a_range_refuses_own_code_whose_torch_calls_change(range_net_profile):
     assert _get_current_function_mode() is None
 
 
-def test_own_code_calling_a_custom_autograd_function_is_in_no_range(tmp_path):
-    """A range replays torch calls and aten ops, so a custom Function in its own code would run
-    as its ops: autograd would save other tensors than the Function did (torch's
-    CheckpointError in backward). The profile marks the Function's ops and offers no range
-    holding them; a schedule from a profile made before that fails in the range's first
-    forward, with monet's error. Module calls around a Function are checkpointed as usual."""
+@pytest.mark.parametrize(
+    ("name", "reason", "marked"),
+    [
+        ("function_net", "calls a custom autograd Function", [("aten.mul.Tensor", ""), ("aten.mul.Tensor", "block")]),
+        ("generator_net", "draws random numbers from a generator it passes", [("aten.rand.generator", "")]),
+    ],
+)
+def test_own_code_a_replay_cannot_repeat_is_in_no_range(name, reason, marked):
+    """A range replays its own code's torch calls: a custom Function would run as its ops
+    (autograd saves other tensors than the Function did: torch's CheckpointError in backward),
+    and a generator passed to a random op would draw other numbers (other gradients, silently:
+    checkpoint restores the default RNG only). The profile marks those ops and offers no range
+    holding them; a schedule from a profile made before that stops in the range's first
+    forward with monet's error, leaving nothing behind."""
     import dataclasses
 
-    profile = profile_model(small_spec("tests.models_for_tests:function_net", shape=(16,), batch_size=8), CPU, steps=1)
-    marked = [op for op in profile.ops if op.in_autograd_function]
-    assert [(op.op, op.module) for op in marked] == [("aten.mul.Tensor", ""), ("aten.mul.Tensor", "block")]
+    profile = profile_model(small_spec(f"tests.models_for_tests:{name}", shape=(16,), batch_size=8), CPU, steps=1)
+    ops = [op for op in profile.ops if op.unreplayable]
+    assert [(op.op, op.module) for op in ops] == marked
+    assert all(op.unreplayable == reason for op in ops)
+    owners = {call.fqn: call.index for call in profile.calls}  # whose own code each marked op is
+    owners[""] = 0
     model = SegmentModel(profile)
-    block = next(call.index for call in profile.calls if call.fqn == "block")
     ranges = [model.ranges[c] for c in model.segments if c in model.ranges]
-    owners = {"": 0, "block": block}  # the call whose own code each marked op is
-    assert len(ranges) >= 2
-    assert not [
-        r for r in ranges for op in marked if r.parent == owners[op.module] and r.first_op <= op.index < r.end_op
-    ]
-    _check(profile, {block: frozenset()})
+    assert ranges
+    assert not [r for r in ranges for op in ops if r.parent == owners[op.module] and r.first_op <= op.index < r.end_op]
 
-    unmarked = dataclasses.replace(
-        profile, ops=tuple(dataclasses.replace(op, in_autograd_function=False) for op in profile.ops)
-    )
+    unmarked = dataclasses.replace(profile, ops=tuple(dataclasses.replace(op, unreplayable="") for op in profile.ops))
     old = SegmentModel(unmarked)
     holding = next(
-        c for c in old.segments if c in old.ranges and old.ranges[c].first_op <= marked[0].index < old.ranges[c].end_op
+        c for c in old.segments if c in old.ranges and old.ranges[c].first_op <= ops[0].index < old.ranges[c].end_op
     )
     schedule = plan_schedule(unmarked, {holding: frozenset()}, model=old)
-    with pytest.raises(FingerprintError, match="its own code calls a custom autograd Function"):
+    with pytest.raises(FingerprintError, match=f"its own code {reason}, which a range cannot replay"):
         run_apply(schedule, CPU, steps=1, check=False)
     assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+
+
+def test_a_module_call_running_a_custom_autograd_function_is_checkpointed():
+    """Checkpoint re-runs a module's forward, Function and all: the call stays a segment."""
+    profile = profile_model(small_spec("tests.models_for_tests:function_net", shape=(16,), batch_size=8), CPU, steps=1)
+    block = next(call for call in profile.calls if call.fqn == "block")
+    assert block.checkpointable
+    _check(profile, {block.index: frozenset()})
 
 
 def test_solve_counts_ranges_and_inspect_and_validate_show_them(range_net_profile, tmp_path):

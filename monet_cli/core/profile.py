@@ -219,10 +219,12 @@ class OpRecord:
     workspace_bytes: int = 0
     """CUDA: the allocator's peak inside the op above its level once the op returned
     (cuBLAS and cuDNN workspaces, a kernel's temporaries). Not measured on CPU."""
-    in_autograd_function: bool = False
-    """Run by a custom ``torch.autograd.Function``'s forward. An op range cannot hold it among
-    its own ops: its replay would run the Function's ops, not the Function, and autograd would
-    save other tensors than the forward did. False in profiles made before it was recorded."""
+    unreplayable: str = ""
+    """Why an op range cannot hold it among its own ops (empty when one can): a range replays
+    its own code as the torch calls it recorded, so an op of a custom autograd Function would
+    run without the Function (autograd would save other tensors), and one drawing from a
+    generator passed to it would draw other numbers (checkpoint restores the default RNG
+    only). Empty in profiles made before it was recorded."""
 
 
 @flow_row
@@ -391,12 +393,12 @@ class Profile:
         return sum(op.time_ms for op in self.ops) + sum(op.time_ms for op in self.backward)
 
 
-# Written only where measured (CUDA) or where they hold (a custom Function's ops), so a
+# Written only where measured (CUDA) or where they apply (an op a range cannot replay), so a
 # profile does not repeat a default on every op.
 OMITTED_WHEN_DEFAULT = frozenset(
     {
         "OpRecord.workspace_bytes",
-        "OpRecord.in_autograd_function",
+        "OpRecord.unreplayable",
         "BackwardOp.workspace_bytes",
         "Profile.transfer",
         "DeviceInfo.alloc_conf",

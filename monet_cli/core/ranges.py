@@ -6,8 +6,9 @@ A range runs from the start of one of these calls (or of the forward) to the end
 one (or of the forward), so its checkpoint frame opens and closes in module hooks, above
 autograd, where the profile can tell which saved tensors fall inside. Its recompute replays
 what the forward ran: the calls as calls (their own segments and guards run again) and the
-module's own code as its recorded torch calls. Own code that calls a custom autograd Function is in
-no range: the replay would run the Function's ops without the Function.
+module's own code as its recorded torch calls. Own code the replay cannot repeat is in no
+range: a custom autograd Function's ops, or random ops given a generator
+(``OpRecord.unreplayable``).
 
 A range either holds some of the module's own ops, or spans two or more calls of which one at
 least makes calls of its own (a block of a stage). Spans of leaf calls alone are left to
@@ -118,8 +119,8 @@ def _ranges_in(
             own = [op for op in range(first, end) if op not in inside_calls]
             if not own and (len(members) < 2 or all(c.index not in parents for c in members)):
                 continue
-            if any(profile.ops[op].in_autograd_function for op in own):
-                continue  # the replay would run the custom Function's ops, not the Function
+            if any(profile.ops[op].unreplayable for op in own):
+                continue
             inputs = _external_inputs(profile, first, members, own, held)
             if inputs is not None and not _writes_before(profile, first, end):
                 skip = sum(1 for c in calls if c.fqn == members[0].fqn and c.first_op < first) if opens_at_call else 0

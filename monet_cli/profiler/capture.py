@@ -28,6 +28,7 @@ from monet_cli.core.profile import LOSS_MODULE, Profile
 from monet_cli.errors import ModelError
 from monet_cli.runtime.fingerprint import IGNORED_OPS, signature
 from monet_cli.runtime.meter import LiveStorageMeter, free_unreachable, storage_key
+from monet_cli.runtime.ranges import unreplayable
 from monet_cli.workload.step import Workload, loss_scope
 
 
@@ -57,7 +58,7 @@ class RawOp:
     signature: str
     workspace: int = 0
     """CUDA: allocator bytes the op took and gave back before returning."""
-    in_autograd_function: bool = False
+    unreplayable: str = ""
 
 
 @dataclass
@@ -167,9 +168,7 @@ class StepRecorder(LiveStorageMeter):
                 outputs=outputs,
                 signature=signature(inputs),
                 workspace=workspace,
-                # A custom Function's forward runs with forward-mode AD off, as nothing else
-                # in a training step does (inference mode aside, which saves nothing).
-                in_autograd_function=not torch._C._is_fwd_grad_enabled(),
+                unreplayable=unreplayable(args, kwargs) if self.phase == "forward" else "",
             )
         )
         self.pos = pos + 1

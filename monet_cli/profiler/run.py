@@ -343,7 +343,7 @@ def _op_records(
             inputs=inputs[op.pos],
             consumers=tuple(consumers[op.pos]),
             workspace_bytes=op.workspace,
-            in_autograd_function=op.in_autograd_function,
+            unreplayable=op.unreplayable,
         )
         for op in forward
     )

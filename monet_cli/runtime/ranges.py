@@ -235,9 +235,20 @@ class _OpRecorder(_OffDuringCalls, TorchDispatchMode):
             owner.own_ops += 1
         if not owner.in_torch_call:
             owner.ops_only = True
-        if not torch._C._is_fwd_grad_enabled():
-            owner.in_autograd_function = True
+        owner.unreplayable = owner.unreplayable or unreplayable(args, kwargs)
         return owner.record(func, args, kwargs, _NO_AUTOCAST)
+
+
+def unreplayable(args: tuple, kwargs: dict) -> str:
+    """Why a range's replay cannot repeat this aten op, as its own code ran it ("" when it can)."""
+    # Only a custom Function's forward runs with forward-mode AD off (inference mode aside,
+    # which saves nothing for backward).
+    if not torch._C._is_fwd_grad_enabled():
+        return "calls a custom autograd Function"
+    # Even the default generator passed by name arrives as another object: any is refused.
+    if any(isinstance(arg, torch.Generator) for arg in (*args, *kwargs.values())):
+        return "draws random numbers from a generator it passes"
+    return ""
 
 
 # The tape's own Python runs at every own call, twice (record and replay): arguments nest at
@@ -355,8 +366,8 @@ class RangeSegment:
         self.in_torch_call = 0
         self.ops_only = False
         """Some own code runs ops no torch call shows, or returns what the tape cannot follow."""
-        self.in_autograd_function = False
-        """Some own op ran in a custom autograd Function's forward (``OpRecord.in_autograd_function``)."""
+        self.unreplayable = ""
+        """Why the replay cannot repeat an own op of the first forward (``OpRecord.unreplayable``)."""
         self.first_torch_calls: int | None = None
         """Own torch calls of the first forward, once it showed the torch calls can write the tape."""
         self.ids: dict[int, int] = {}
@@ -513,9 +524,9 @@ class RangeSegment:
         if len(calls) != len(self.calls) or any(a is not b for a, b in zip(calls, self.calls)):
             self._fail("its calls differ from the profiled ones")
         if self.first_torch_calls is None:
-            if self.in_autograd_function:
+            if self.unreplayable:
                 self._fail(
-                    "its own code calls a custom autograd Function, which a range cannot replay "
+                    f"its own code {self.unreplayable}, which a range cannot replay "
                     "(profiles made by this monet offer no such range): profile the model again"
                 )
             if self.own_ops != self.decision.own_ops:

@@ -250,6 +250,12 @@ class ModuleCall:
     tensor on. False in profiles made before it was recorded: they offer no chains."""
     reason: str = ""
     """Why the call is not checkpointable (empty when it is)."""
+    hooks_reason: str = ""
+    """Why the call cannot run again as a call, its module's own hooks and all, as a chain's
+    or an op range's recompute runs it (empty when it can): a forward hook that stores what
+    the call makes would hold the recomputed tensors too. Checkpoint re-runs a segment's
+    forward without the module's own hooks, so the call may still be a segment. Empty in
+    profiles made before it was recorded."""
     time_ms: float | None = None
     """Median wall time of its forward in plain steps, its Python included: what re-running the
     call costs, where its ops' timed sum is what their kernels cost. None in profiles made
@@ -393,12 +399,13 @@ class Profile:
         return sum(op.time_ms for op in self.ops) + sum(op.time_ms for op in self.backward)
 
 
-# Written only where measured (CUDA) or where they apply (an op a range cannot replay), so a
-# profile does not repeat a default on every op.
+# Written only where measured (CUDA) or where they apply (an op a range cannot replay, a call
+# whose hooks keep tensors), so a profile does not repeat a default on every row.
 OMITTED_WHEN_DEFAULT = frozenset(
     {
         "OpRecord.workspace_bytes",
         "OpRecord.unreplayable",
+        "ModuleCall.hooks_reason",
         "BackwardOp.workspace_bytes",
         "Profile.transfer",
         "DeviceInfo.alloc_conf",

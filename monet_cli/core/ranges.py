@@ -116,6 +116,8 @@ def _ranges_in(
             members = tuple(c for c in calls if first <= c.first_op and c.end_op <= end)
             if not all(c.registered for c in members):
                 continue  # the executor finds a range's calls by path
+            if any(c.hooks_reason for c in members):
+                continue  # the recompute calls them, hooks and all
             own = [op for op in range(first, end) if op not in inside_calls]
             if not own and (len(members) < 2 or all(c.index not in parents for c in members)):
                 continue

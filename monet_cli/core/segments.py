@@ -84,8 +84,8 @@ def sibling_chains(profile: Profile) -> list[tuple[ModuleCall, ...]]:
         if call.parent is not None:
             by_parent[call.parent].append(call)
 
-    def member(call: ModuleCall) -> bool:
-        return call.checkpointable and call.index not in has_children
+    def member(call: ModuleCall) -> bool:  # the chain's recompute calls it, hooks and all
+        return call.checkpointable and not call.hooks_reason and call.index not in has_children
 
     chains: list[tuple[ModuleCall, ...]] = []
     for parent, children in by_parent.items():

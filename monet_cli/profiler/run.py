@@ -124,11 +124,14 @@ def profile_model(
     reasons = structural_reasons(recorder)
     progress("rehearsing recomputes")
     candidates = [call.fqn for call in recorder.calls if not reasons[call.index]]
-    differs = run_checked(lambda: Rehearsal(workload, candidates).run(), "rehearsal step")
+    rehearsed = run_checked(lambda: Rehearsal(workload, candidates).run(), "rehearsal step")
     for call in recorder.calls:
-        reasons[call.index] = reasons[call.index] or differs.get(call.fqn, "")
+        reasons[call.index] = reasons[call.index] or rehearsed.differs.get(call.fqn, "")
+    hooks_reasons = [rehearsed.hooks_differ.get(call.fqn, "") for call in recorder.calls]
     profile = replace(
-        build_profile(workload, recorder, lifetimes, timings, measurement.peak_bytes, measurement.meter, reasons),
+        build_profile(
+            workload, recorder, lifetimes, timings, measurement.peak_bytes, measurement.meter, reasons, hooks_reasons
+        ),
         overheads=overheads,
     )
     if can_pair(profile.baseline.step_ms, steps):
@@ -225,6 +228,7 @@ def build_profile(
     peak_bytes: int,
     meter: str,
     reasons: list[str],
+    hooks_reasons: list[str],
 ) -> Profile:
     forward = [op for op in recorder.ops if op.phase == "forward"]
     if lifetimes.ops != [op.op for op in forward]:
@@ -269,7 +273,9 @@ def build_profile(
             )
             for op in recorder.ops[len(forward) :]
         ),
-        calls=_call_records(recorder, reasons, timings.median_call_ms([call.parent for call in recorder.calls])),
+        calls=_call_records(
+            recorder, reasons, hooks_reasons, timings.median_call_ms([call.parent for call in recorder.calls])
+        ),
         storages=storages,
         packs=tuple(
             PackRecord(storage=p.storage, call=p.call, pos=p.pos, unpack=p.unpack, release=p.release)
@@ -389,7 +395,9 @@ def _writes_earlier_activation(recorder: StepRecorder, activations: set[int], fi
     )
 
 
-def _call_records(recorder: StepRecorder, reasons: list[str], call_ms: list[float]) -> tuple[ModuleCall, ...]:
+def _call_records(
+    recorder: StepRecorder, reasons: list[str], hooks_reasons: list[str], call_ms: list[float]
+) -> tuple[ModuleCall, ...]:
     return tuple(
         ModuleCall(
             index=c.index,
@@ -402,6 +410,7 @@ def _call_records(recorder: StepRecorder, reasons: list[str], call_ms: list[floa
             inputs=tuple(c.inputs),
             hand_off=c.hand_off,
             reason=reasons[c.index],
+            hooks_reason=hooks_reasons[c.index],
             time_ms=round(call_ms[c.index], 4),
         )
         for c in recorder.calls

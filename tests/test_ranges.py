@@ -465,7 +465,7 @@ def test_a_range_refuses_own_code_whose_torch_calls_change(range_net_profile):
         ("generator_net", "draws random numbers from a generator it passes", [("aten.rand.generator", "")]),
     ],
 )
-def test_own_code_a_replay_cannot_repeat_is_in_no_range(name, reason, marked):
+def test_own_code_a_replay_cannot_repeat_is_in_no_range(name, reason, marked, tmp_path):
     """A range replays its own code's torch calls: a custom Function would run as its ops
     (autograd saves other tensors than the Function did: torch's CheckpointError in backward),
     and a generator passed to a random op would draw other numbers (other gradients, silently:
@@ -484,6 +484,9 @@ def test_own_code_a_replay_cannot_repeat_is_in_no_range(name, reason, marked):
     ranges = [model.ranges[c] for c in model.segments if c in model.ranges]
     assert ranges
     assert not [r for r in ranges for op in ops if r.parent == owners[op.module] and r.first_op <= op.index < r.end_op]
+    save_profile(profile, tmp_path / "p.yaml")  # the reasons survive the file; inspect lists the ops
+    shown = json.loads(CliRunner().invoke(app, ["inspect", str(tmp_path / "p.yaml"), "--json"]).stdout)
+    assert [(row["op"], row["reason"]) for row in shown["unreplayable_ops"]] == [(op, reason) for op, _ in marked]
 
     unmarked = dataclasses.replace(profile, ops=tuple(dataclasses.replace(op, unreplayable="") for op in profile.ops))
     old = SegmentModel(unmarked)

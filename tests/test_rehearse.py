@@ -8,13 +8,16 @@ cache. Models whose recompute is exact (dropout, BatchNorm) keep every call.
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 import torch
 from conftest import small_spec
+from typer.testing import CliRunner
 
+from monet_cli.cli.app import app
 from monet_cli.core.plan import build_schedule, solve_schedule
-from monet_cli.core.profile import InputSpec
+from monet_cli.core.profile import InputSpec, save_profile
 from monet_cli.core.segments import SegmentModel
 from monet_cli.core.solver.search import Planner, solver_info
 from monet_cli.profiler.run import profile_model
@@ -109,7 +112,7 @@ def test_writes_after_the_call_are_told_apart():
 
 
 @pytest.mark.parametrize("store", [True, False])
-def test_hooks_that_keep_what_a_re_run_makes_are_found(store: bool):
+def test_hooks_that_keep_what_a_re_run_makes_are_found(store: bool, tmp_path):
     """A forward hook collecting features runs again in a recompute and keeps the recomputed
     tensors: the blocks that run it (their re-run calls the hooked Linear) are no segments,
     and the hooked Linear itself is in no chain or range (their recomputes call it, hooks and
@@ -143,6 +146,13 @@ def test_hooks_that_keep_what_a_re_run_makes_are_found(store: bool):
                 report = run_apply(plan_schedule(unmarked, {index: frozenset()}, model=old), CPU, steps=1, check=False)
                 over.append(report.measured_peak_bytes > report.predicted_peak_bytes)
         assert over and any(over)
+        save_profile(profile, tmp_path / "p.yaml")  # the reasons survive the file; inspect shows them
+        shown = json.loads(CliRunner().invoke(app, ["inspect", str(tmp_path / "p.yaml"), "--json"]).stdout)
+        assert [row["module"] for row in shown["not_rerun_as_calls"]] == [f"blocks.{i}.a" for i in range(3)]
+        assert (
+            "module calls no chain or op range re-runs"
+            in CliRunner().invoke(app, ["inspect", str(tmp_path / "p.yaml")]).stdout
+        )
     planner = Planner(model)
     floor = planner.minimum_peak(time_limit_s=5, workers=1, seed=0)
     assert floor.peak_bytes < profile.baseline.peak_bytes

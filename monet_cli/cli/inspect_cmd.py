@@ -83,6 +83,13 @@ def profile_report(profile: Profile, path: Path) -> dict[str, Any]:
             for c in profile.calls
             if c.reason and c.end_op > c.first_op
         ],
+        # Why ranges and chains leave some of the model out: what their recomputes cannot repeat.
+        "not_rerun_as_calls": [{"module": c.fqn, "reason": c.hooks_reason} for c in profile.calls if c.hooks_reason],
+        "unreplayable_ops": [
+            {"index": op.index, "op": op.op, "module": op.module or "<model>", "reason": op.unreplayable}
+            for op in profile.ops
+            if op.unreplayable
+        ],
         "top_memory_at_peak": top_holders(model, {}),
         "slowest_ops": [
             {"index": op.index, "op": op.op, "module": op.module or LOSS_MODULE, "time_ms": op.time_ms} for op in slow

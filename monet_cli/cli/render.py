@@ -308,6 +308,20 @@ def inspect_tables(report: dict[str, Any]) -> None:
         for row in report["not_checkpointable"]:
             blocked.add_row(row["module"], row["reason"])
         console.print(blocked)
+    if report.get("not_rerun_as_calls"):
+        hooked = Table(title="module calls no chain or op range re-runs", title_justify="left")
+        hooked.add_column("module", overflow="fold")
+        hooked.add_column("why")
+        for row in report["not_rerun_as_calls"]:
+            hooked.add_row(row["module"], row["reason"])
+        console.print(hooked)
+    if report.get("unreplayable_ops"):
+        ops = Table(title="ops no op range replays", title_justify="left")
+        for column in ("op", "module", "why"):
+            ops.add_column(column, overflow=_FOLD.get(column))
+        for row in report["unreplayable_ops"]:
+            ops.add_row(f"{row['index']} {row['op']}", row["module"], row["reason"])
+        console.print(ops)
     if report.get("top_memory_at_peak"):
         top = Table(title="top memory holders at the peak", title_justify="left")
         for column in ("kind", "module", "size"):

@@ -597,3 +597,27 @@ class HookedNet(nn.Module):
 
 def hooked_net(width: int = 16, num_classes: int = 5, store: bool = True) -> nn.Module:
     return HookedNet(width, num_classes, store)
+
+
+class SharedHookedNet(nn.Module):
+    """One activation module called twice (no segment, but an op range re-runs it as a call),
+    with a forward hook collecting its outputs, between Linears and own code. Input [N, width]."""
+
+    def __init__(self, width: int = 16, num_classes: int = 5) -> None:
+        super().__init__()
+        self.up = nn.Linear(width, 4 * width)
+        self.act = nn.GELU()
+        self.mid = nn.Linear(4 * width, 4 * width)
+        self.head = nn.Linear(4 * width, num_classes)
+        self.features: list[torch.Tensor] = []
+        self.act.register_forward_hook(lambda module, args, output: self.features.append(output))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.features.clear()
+        h = self.act(self.up(x)) * 2.0
+        h = self.act(self.mid(h)) + 1.0
+        return self.head(h) + 0.01 * self.features[0].mean()
+
+
+def shared_hook_net(width: int = 16, num_classes: int = 5) -> nn.Module:
+    return SharedHookedNet(width, num_classes)

@@ -162,3 +162,16 @@ def test_hooks_that_keep_what_a_re_run_makes_are_found(store: bool, tmp_path):
     report = run_apply(schedule, CPU, steps=1, check=True)
     assert report.measured_peak_bytes == report.predicted_peak_bytes <= floor.peak_bytes
     assert report.check.ok
+
+
+def test_hooks_of_a_module_called_twice_are_rehearsed():
+    """A module called twice is no segment, but an op range re-runs it as a call: its hooks
+    are rehearsed all the same, and no range holds it when they keep what it makes."""
+    profile = _profile("shared_hook_net", (16,))
+    acts = [c for c in profile.calls if c.fqn == "act"]
+    assert len(acts) == 2
+    assert all(c.reason.startswith("called 2 times") for c in acts)
+    assert all(c.hooks_reason.startswith("its forward hooks, run again, leave") for c in acts)
+    model = SegmentModel(profile)
+    assert model.ranges
+    assert not [r for r in model.ranges.values() if {c.index for c in acts} & set(r.calls)]

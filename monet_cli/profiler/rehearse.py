@@ -181,7 +181,7 @@ class Rehearsal:
             problem = self._rehearse(take)
             if problem is not None:
                 rehearsed.differs[fqn] = problem
-            elif _has_hooks(take.module):
+            if _has_hooks(take.module):
                 hooks_problem = self._rehearse_hooks(take)
                 if hooks_problem is not None:
                     rehearsed.hooks_differ[fqn] = hooks_problem

@@ -34,10 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.nn.modules.module import (
-    _global_forward_hooks,
-    _global_forward_pre_hooks,
-)
+from torch.nn.modules.module import _global_forward_hooks, _global_forward_pre_hooks
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
@@ -237,9 +234,7 @@ class Rehearsal:
                 _run_hooks(module, take.args, take.kwargs, output)
                 del output
         except Exception as err:  # the model's own hooks: report it, never crash the profile
-            return (
-                f"running its forward hooks again raised {type(err).__name__}: {str(err).strip().splitlines()[0][:120]}"
-            )
+            return f"re-running it with its hooks raised {type(err).__name__}: {str(err).strip().splitlines()[0][:120]}"
         left = made.left_bytes()
         if left:
             return f"its forward hooks, run again, leave {left} bytes alive: they store what the call makes"

@@ -301,20 +301,17 @@ def inspect_tables(report: dict[str, Any]) -> None:
         for o in offloads:
             table.add_row(o["module"] or "<model>", format_bytes(o["bytes"]), f"{o['time_ms']:+.2f} ms")
         console.print(table)
-    if report.get("not_checkpointable"):
-        blocked = Table(title="module calls monet will not checkpoint", title_justify="left")
-        blocked.add_column("module", overflow="fold")
-        blocked.add_column("why")
-        for row in report["not_checkpointable"]:
-            blocked.add_row(row["module"], row["reason"])
-        console.print(blocked)
-    if report.get("not_rerun_as_calls"):
-        hooked = Table(title="module calls no chain or op range re-runs", title_justify="left")
-        hooked.add_column("module", overflow="fold")
-        hooked.add_column("why")
-        for row in report["not_rerun_as_calls"]:
-            hooked.add_row(row["module"], row["reason"])
-        console.print(hooked)
+    for key, title in (
+        ("not_checkpointable", "module calls monet will not checkpoint"),
+        ("not_rerun_as_calls", "module calls no chain or op range re-runs"),
+    ):
+        if report.get(key):
+            calls = Table(title=title, title_justify="left")
+            calls.add_column("module", overflow="fold")
+            calls.add_column("why")
+            for row in report[key]:
+                calls.add_row(row["module"], row["reason"])
+            console.print(calls)
     if report.get("unreplayable_ops"):
         ops = Table(title="ops no op range replays", title_justify="left")
         for column in ("op", "module", "why"):

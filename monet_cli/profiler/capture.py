@@ -28,7 +28,7 @@ from monet_cli.core.profile import LOSS_MODULE, Profile
 from monet_cli.errors import ModelError
 from monet_cli.runtime.fingerprint import IGNORED_OPS, signature
 from monet_cli.runtime.meter import LiveStorageMeter, free_unreachable, storage_key
-from monet_cli.runtime.ranges import unreplayable
+from monet_cli.runtime.ranges import unreplayable, written_tensors
 from monet_cli.workload.step import Workload, loss_scope
 
 
@@ -92,17 +92,6 @@ class _Packed:
         self.index = index
 
 
-def _written_args(func, args: tuple, kwargs: dict) -> list[torch.Tensor]:
-    """Tensor arguments the op's schema marks as mutated (``Tensor(a!)``)."""
-    written = []
-    for i, arg in enumerate(func._schema.arguments):
-        if arg.alias_info is None or not arg.alias_info.is_write:
-            continue
-        value = args[i] if i < len(args) else kwargs.get(arg.name)
-        written += [t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)]
-    return written
-
-
 class StepRecorder(LiveStorageMeter):
     """Records the structure and memory timeline of one training step."""
 
@@ -149,7 +138,7 @@ class StepRecorder(LiveStorageMeter):
         pos = self.pos
         inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
         self.track_unseen_inputs(inputs)
-        written = _written_args(func, args, kwargs)
+        written = written_tensors(func, args, kwargs)
         out, workspace = self._run_op(func, args, kwargs)
         outputs = []
         for tensor in tree_flatten(out)[0]:

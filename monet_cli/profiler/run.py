@@ -127,7 +127,7 @@ def profile_model(
     # A call made several times is no segment, but an op range re-runs it as a call, hooks and all.
     made = Counter(call.fqn for call in recorder.calls)
     candidates = [c.fqn for c in recorder.calls if not reasons[c.index] or (c.parent is not None and made[c.fqn] > 1)]
-    rehearsed = run_checked(lambda: Rehearsal(workload, list(dict.fromkeys(candidates))).run(), "rehearsal step")
+    rehearsed = run_checked(lambda: Rehearsal(workload, candidates).run(), "rehearsal step")
     for call in recorder.calls:
         reasons[call.index] = reasons[call.index] or rehearsed.differs.get(call.fqn, "")
     hooks_reasons = [rehearsed.hooks_differ.get(call.fqn, "") for call in recorder.calls]

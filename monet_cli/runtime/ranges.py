@@ -270,7 +270,7 @@ def _written_arguments(func: Any) -> tuple[tuple[int, str, bool], ...]:
     )
 
 
-def _written(func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+def written_tensors(func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
     """The tensor arguments ``func`` writes in place."""
     written = []
     for k, name, kwarg_only in _written_arguments(func):
@@ -439,7 +439,7 @@ class RangeSegment:
         if isinstance(run, torch._ops.OpOverload):
             # Below autograd an in-place op has not bumped its tensors' versions yet: its schema says.
             output = run(*args, **kwargs)
-            writing = _written(run, args, kwargs)
+            writing = written_tensors(run, args, kwargs)
             written = [k for k, leaf in enumerate(leaves) if any(leaf is t for t in writing)] if writing else []
         else:
             versions = [(k, leaf._version) for k, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]

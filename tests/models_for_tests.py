@@ -569,15 +569,16 @@ class _HookedBlock(nn.Module):
 class HookedNet(nn.Module):
     """Feature matching, as distillation and perceptual losses do it: a forward hook on each
     block's first Linear collects its output, and the forward adds a penalty on them.
-    ``store=False``: the hooks only note the outputs' shapes. Input [N, width]."""
+    ``store=False``: the hooks only note the outputs' shapes; ``None``: no hooks (a training
+    loop may register its own). Input [N, width]."""
 
-    def __init__(self, width: int = 16, num_classes: int = 5, store: bool = True) -> None:
+    def __init__(self, width: int = 16, num_classes: int = 5, store: bool | None = True) -> None:
         super().__init__()
         self.blocks = nn.ModuleList(_HookedBlock(width) for _ in range(3))
         self.head = nn.Linear(width, num_classes)
         self.features: list[torch.Tensor] = []
         self.shapes: list[torch.Size] = []
-        for block in self.blocks:
+        for block in self.blocks if store is not None else ():
             block.a.register_forward_hook(self._collect if store else self._note)
 
     def _collect(self, module: nn.Module, args: tuple, output: torch.Tensor) -> None:
@@ -595,7 +596,7 @@ class HookedNet(nn.Module):
         return self.head(x) + 0.01 * penalty
 
 
-def hooked_net(width: int = 16, num_classes: int = 5, store: bool = True) -> nn.Module:
+def hooked_net(width: int = 16, num_classes: int = 5, store: bool | None = True) -> nn.Module:
     return HookedNet(width, num_classes, store)
 
 

@@ -20,9 +20,13 @@ from monet_cli.core.plan import build_schedule, solve_schedule
 from monet_cli.core.profile import InputSpec, save_profile
 from monet_cli.core.segments import SegmentModel
 from monet_cli.core.solver.search import Planner, solver_info
+from monet_cli.errors import FingerprintError
 from monet_cli.profiler.run import profile_model
 from monet_cli.runtime.compare import run_apply
+from monet_cli.runtime.executor import apply_schedule, machinery
+from monet_cli.runtime.meter import measure_peak
 from monet_cli.workload.resolve import Overrides, resolve_model_spec
+from monet_cli.workload.step import Workload, build_workload
 from tests.schedules_for_tests import plan_schedule
 
 CPU = torch.device("cpu")
@@ -175,3 +179,47 @@ def test_hooks_of_a_module_called_twice_are_rehearsed():
     model = SegmentModel(profile)
     assert model.ranges
     assert not [r for r in model.ranges.values() if {c.index for c in acts} & set(r.calls)]
+
+
+def test_hooks_registered_after_the_profile_are_refused():
+    """A training loop that registers a collecting hook after the profile holds tensors the
+    profile saw freed: run unchecked, the step measures over its prediction whether or not a
+    recompute runs the hook. The first training forward refuses such a model; the hooks the
+    profile saw pass (``test_hooks_that_keep_what_a_re_run_makes_are_found``)."""
+    spec = resolve_model_spec(
+        "tests.models_for_tests:hooked_net",
+        Overrides(batch_size=128, inputs=(InputSpec(shape=(16,)),), model_kwargs={"store": None}),
+    )
+    profile = profile_model(spec, CPU, steps=1)
+    assert profile.fingerprint.hooks == ()
+    block = next(c.index for c in profile.calls if c.fqn == "blocks.0")
+    schedule = plan_schedule(profile, {block: frozenset()})
+    kept: list[torch.Tensor] = []
+
+    def collect(module, args, output):
+        kept.append(output)
+
+    def hooked(paths: list[str], *, check: bool) -> Workload:
+        workload = build_workload(spec, CPU)
+        for path in paths:
+            workload.model.get_submodule(path).register_forward_hook(collect)
+        apply_schedule(workload.model, schedule, check_fingerprint=check)
+        return workload
+
+    def peak(workload: Workload) -> int:
+        workload.timed_step(seed=0)
+        kept.clear()
+        return measure_peak(workload, 1, machinery=machinery(workload.model)).peak_bytes
+
+    assert peak(hooked([], check=True)) == schedule.predicted.peak_bytes
+    for path in ("blocks.0.a", "blocks.1.a"):  # in the segment, and outside it
+        assert peak(hooked([path], check=False)) > schedule.predicted.peak_bytes
+    refused = hooked(["blocks.1.a", "blocks.0.a"], check=True)
+    with pytest.raises(FingerprintError) as raised:
+        refused.timed_step(seed=0)
+    assert str(raised.value) == (
+        "schedule does not match this model: 'blocks.0.a' has a forward hook the profile did not see "
+        f"({collect.__module__}.{collect.__qualname__}) (and 1 more); what a hook keeps is not in the "
+        "prediction, and a recompute runs it again: register hooks in the model's factory, so the profile "
+        "measures and rehearses them, and profile again"
+    )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from typing import TypeVar
 
@@ -46,3 +47,17 @@ def model_ops(ops: Sequence[T], module_of: Callable[[T], str]) -> list[T]:
     inside = [op for op in ops if module_of(op) != LOSS_MODULE]
     last = max((i for i, op in enumerate(inside) if module_of(op)), default=None)
     return inside if last is None else inside[: last + 1]
+
+
+EVERY_MODULE = "*"
+"""The path of a global hook (``torch.nn.modules.module.register_module_forward_hook``)."""
+
+
+def hook_line(path: str, kind: str, function: str) -> str:
+    """One hook as a fingerprint lists it: ``path|kind|function``."""
+    return f"{path}|{kind}|{function}"
+
+
+def unprofiled_hooks(profiled: Iterable[str], found: Iterable[str]) -> list[str]:
+    """The hooks in ``found`` that ``profiled`` lacks, as many times as they are extra."""
+    return sorted((Counter(found) - Counter(profiled)).elements())

@@ -104,6 +104,10 @@ class Fingerprint:
     modules: str = ""
     """Hash of the module tree with parameter and buffer shapes (empty in files made before it):
     checked by ``monet validate`` where the op sequence cannot be (a CUDA schedule on a CPU)."""
+    hooks: tuple[str, ...] | None = None
+    """The model's forward hooks and pre-hooks when it was profiled, ``path|kind|function`` each
+    (``core.fingerprint.hook_line``; None in files made before it). The profile measured what
+    these keep and rehearsed them in recomputes: a schedule refuses a model with others."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -399,14 +403,15 @@ class Profile:
         return sum(op.time_ms for op in self.ops) + sum(op.time_ms for op in self.backward)
 
 
-# Written only where measured (CUDA) or where they apply (an op a range cannot replay, a call
-# whose hooks keep tensors), so a profile does not repeat a default on every row.
+# Written only where measured (CUDA, the hooks) or where they apply (an op a range cannot
+# replay, a call whose hooks keep tensors), so a profile does not repeat a default on every row.
 OMITTED_WHEN_DEFAULT = frozenset(
     {
         "OpRecord.workspace_bytes",
         "OpRecord.unreplayable",
         "ModuleCall.hooks_reason",
         "BackwardOp.workspace_bytes",
+        "Fingerprint.hooks",
         "Profile.transfer",
         "DeviceInfo.alloc_conf",
     }

@@ -269,10 +269,12 @@ OMITTED_WHEN_DEFAULT = frozenset(
         "SegmentDecision.skip",
         "SegmentDecision.own_ops",
         "Predicted.alloc_conf",
+        "Fingerprint.hooks",
     }
 )
-"""An op range's fields (the lines of other segments leave them out of the file) and the CUDA
-allocator settings (CPU schedules and PyTorch's defaults leave them out)."""
+"""An op range's fields (the lines of other segments leave them out of the file), the CUDA
+allocator settings (CPU schedules and PyTorch's defaults leave them out) and the hooks of a
+profile made before they were recorded."""
 
 # Optional keys added after the hash's payload was fixed: they enter it only when set, so
 # schedules written before them keep their hash.

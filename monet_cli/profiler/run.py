@@ -42,7 +42,7 @@ from monet_cli.profiler.probe import probe_overheads
 from monet_cli.profiler.rehearse import Rehearsal
 from monet_cli.profiler.transfer import measure_transfer
 from monet_cli.profiler.variants import measure_variants
-from monet_cli.runtime.fingerprint import model_modules_hash, warn_if_untested_torch
+from monet_cli.runtime.fingerprint import model_hooks, model_modules_hash, warn_if_untested_torch
 from monet_cli.runtime.host_memory import keep_freed_host_memory
 from monet_cli.runtime.meter import alloc_conf, measure_peak
 from monet_cli.runtime.sharing import others_busy_since, read_cpu_times, warn_if_shared
@@ -254,6 +254,7 @@ def build_profile(
             torch=torch.__version__.split("+")[0],
             precision=workload.spec.precision,
             modules=model_modules_hash(workload.model),
+            hooks=model_hooks(workload.model),
         ),
         baseline=Baseline(
             peak_bytes=peak_bytes,

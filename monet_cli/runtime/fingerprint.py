@@ -16,7 +16,15 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map_only
 
-from monet_cli.core.fingerprint import model_ops, modules_hash, shapes_hash, structure_hash
+from monet_cli.core.fingerprint import (
+    EVERY_MODULE,
+    hook_line,
+    model_ops,
+    modules_hash,
+    shapes_hash,
+    structure_hash,
+    unprofiled_hooks,
+)
 from monet_cli.core.profile import Fingerprint
 from monet_cli.errors import FingerprintError
 
@@ -36,6 +44,35 @@ def model_modules_hash(model: nn.Module) -> str:
         return ",".join(f"{name}:{signature([t])}" for name, t in named)
 
     return modules_hash((path, type(m).__name__, own_tensors(m)) for path, m in model.named_modules())
+
+
+# Hooks of PyTorch's own machinery (FSDP2, ModuleTracker) and of monet's (its executor, its
+# profiler) are made to run in a recompute; a fingerprint lists only the model's and the user's.
+_MACHINERY = ("torch.", "monet_cli.runtime.", "monet_cli.profiler.")
+
+
+def model_hooks(model: nn.Module) -> tuple[str, ...]:
+    """The forward hooks and pre-hooks on ``model``'s modules, and the global ones, that the
+    model or its user registered: ``Fingerprint.hooks``, sorted."""
+    from torch.nn.modules.module import _global_forward_hooks, _global_forward_pre_hooks
+
+    places = [(EVERY_MODULE, _global_forward_pre_hooks, _global_forward_hooks)]
+    places += [(path, m._forward_pre_hooks, m._forward_hooks) for path, m in model.named_modules()]
+    lines = [
+        hook_line(path, kind, name)
+        for path, pre_hooks, hooks in places
+        for kind, found in (("forward_pre", pre_hooks), ("forward", hooks))
+        for hook in found.values()
+        if not (name := _function_name(hook)).startswith(_MACHINERY)
+    ]
+    return tuple(sorted(lines))
+
+
+def _function_name(hook: Any) -> str:
+    function = getattr(hook, "func", hook)  # functools.partial
+    module = getattr(function, "__module__", None) or type(function).__module__
+    name = getattr(function, "__qualname__", None) or type(function).__qualname__
+    return f"{module}.{name}"
 
 
 def torch_version() -> str:
@@ -207,6 +244,7 @@ class FirstForwardCheck:
     def _start(self, module: nn.Module, args: Any) -> None:
         if self.done or not torch.is_grad_enabled() or not module.training:
             return
+        self._check_hooks()
         stack = ModuleStack(self.model).__enter__()
         stack.enter_root(self.model)
         sequence = OpSequence(stack, self.skip)
@@ -229,6 +267,24 @@ class FirstForwardCheck:
         problem = mismatch(self.expected, sequence.fingerprint(device, precision[device]))
         if problem:
             raise FingerprintError(f"schedule does not match this model: {problem}")
+
+    def _check_hooks(self) -> None:
+        """Hooks registered after the profile (in a training loop, before or after ``apply``):
+        one that keeps what it is given holds tensors the profile saw freed, and in a
+        recompute the recomputed ones too; the profile neither measured nor rehearsed it."""
+        if self.expected.hooks is None:
+            return  # a profile made before hooks were recorded
+        new = unprofiled_hooks(self.expected.hooks, model_hooks(self.model))
+        if new:
+            path, kind, function = new[0].split("|")
+            where = "every module" if path == EVERY_MODULE else f"'{path or '<model>'}'"
+            more = f" (and {len(new) - 1} more)" if len(new) > 1 else ""
+            raise FingerprintError(
+                f"schedule does not match this model: {where} has a {kind.replace('_', ' ')} hook the profile did "
+                f"not see ({function}){more}; what a hook keeps is not in the prediction, and a recompute runs it "
+                "again: register hooks in the model's factory, so the profile measures and rehearses them, and "
+                "profile again"
+            )
 
 
 def _device_of(args: Any, output: Any) -> str:

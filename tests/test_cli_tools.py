@@ -95,7 +95,8 @@ def _as_if_made_on_cuda(schedule_path: Path, out: Path, **fingerprint_changes) -
     workload = build_workload(schedule.model, torch.device("cpu"))
     args, kwargs = workload.call_args()
     fake = fake_cuda_fingerprint(workload.model, args, kwargs, "32")
-    fingerprint = replace(fake, **{"modules": schedule.fingerprint.modules, **fingerprint_changes})
+    made_here = {"modules": schedule.fingerprint.modules, "hooks": schedule.fingerprint.hooks}
+    fingerprint = replace(fake, **{**made_here, **fingerprint_changes})
     save_schedule(with_content_hash(replace(schedule, fingerprint=fingerprint)), out)
     return out
 
@@ -114,6 +115,7 @@ def test_validate_checks_a_cuda_schedule_without_a_gpu_and_says_what_it_did_not(
     assert checks == {
         "file": "passed",
         "module tree": "passed",
+        "forward hooks": "passed",
         "segment modules": "passed",
         "ops and shapes": "passed",
         "memory, time and gradients": "not checked",

@@ -18,6 +18,7 @@ from typer.testing import CliRunner
 from monet_cli.cli.app import app
 from monet_cli.core.plan import build_schedule, solve_schedule
 from monet_cli.core.profile import InputSpec, save_profile
+from monet_cli.core.schedule import save_schedule, with_content_hash
 from monet_cli.core.segments import SegmentModel
 from monet_cli.core.solver.search import Planner, solver_info
 from monet_cli.errors import FingerprintError
@@ -181,7 +182,7 @@ def test_hooks_of_a_module_called_twice_are_rehearsed():
     assert not [r for r in model.ranges.values() if {c.index for c in acts} & set(r.calls)]
 
 
-def test_hooks_registered_after_the_profile_are_refused():
+def test_hooks_registered_after_the_profile_are_refused(tmp_path):
     """A training loop that registers a collecting hook after the profile holds tensors the
     profile saw freed: run unchecked, the step measures over its prediction whether or not a
     recompute runs the hook. The first training forward refuses such a model; the hooks the
@@ -223,3 +224,14 @@ def test_hooks_registered_after_the_profile_are_refused():
         "prediction, and a recompute runs it again: register hooks in the model's factory, so the profile "
         "measures and rehearses them, and profile again"
     )
+    save_schedule(schedule, tmp_path / "s.yaml")  # validate builds the factory's model: it has the hooks
+    shown = CliRunner().invoke(app, ["validate", str(tmp_path / "s.yaml"), "--json"])
+    assert shown.exit_code == 0, shown.output
+    assert {"name": "forward hooks", "status": "passed", "detail": "none the profile did not see"} in json.loads(
+        shown.stdout
+    )["checks"]
+    noting = dataclasses.replace(schedule.model, kwargs={"store": False})  # the factory registers hooks now
+    save_schedule(with_content_hash(dataclasses.replace(schedule, model=noting)), tmp_path / "s.yaml")
+    shown = CliRunner().invoke(app, ["validate", str(tmp_path / "s.yaml"), "--json"])
+    assert shown.exit_code == 5, shown.output
+    assert json.loads(shown.stdout)["problem"].startswith("forward hooks: 'blocks.0.a' has a forward hook the profile")

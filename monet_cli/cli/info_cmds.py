@@ -140,6 +140,19 @@ def _modules_check(schedule: Schedule, workload) -> Check:
     return Check(name="module tree", status="passed", detail="same modules and parameter shapes")
 
 
+def _hooks_check(schedule: Schedule, workload) -> Check:
+    from monet_cli.runtime.fingerprint import hooks_problem
+
+    if schedule.fingerprint.hooks is None:
+        return Check(
+            name="forward hooks", status="not checked", detail="the schedule was made before monet recorded them"
+        )
+    problem = hooks_problem(schedule.fingerprint.hooks, workload.model)
+    if problem:
+        return Check(name="forward hooks", status="failed", detail=problem)
+    return Check(name="forward hooks", status="passed", detail="none the profile did not see")
+
+
 def validate(path: Path, model_spec: str | None) -> Validation:
     """Check a schedule against a model. A schedule made on a device this machine lacks (CUDA on
     a CPU-only CI runner) is checked as far as that allows, and the rest is listed as not checked."""
@@ -154,6 +167,7 @@ def validate(path: Path, model_spec: str | None) -> Validation:
     workload = _workload(schedule, model_spec, resolve_device(made_on if here else "cpu"))
     checks += [
         _modules_check(schedule, workload),
+        _hooks_check(schedule, workload),
         _segment_modules(schedule, workload),
         *_variant_modules(schedule, workload),
         *_offload_modules(schedule, workload),

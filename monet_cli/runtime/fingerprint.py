@@ -269,22 +269,29 @@ class FirstForwardCheck:
             raise FingerprintError(f"schedule does not match this model: {problem}")
 
     def _check_hooks(self) -> None:
-        """Hooks registered after the profile (in a training loop, before or after ``apply``):
-        one that keeps what it is given holds tensors the profile saw freed, and in a
-        recompute the recomputed ones too; the profile neither measured nor rehearsed it."""
         if self.expected.hooks is None:
             return  # a profile made before hooks were recorded
-        new = unprofiled_hooks(self.expected.hooks, model_hooks(self.model))
-        if new:
-            path, kind, function = new[0].split("|")
-            where = "every module" if path == EVERY_MODULE else f"'{path or '<model>'}'"
-            more = f" (and {len(new) - 1} more)" if len(new) > 1 else ""
-            raise FingerprintError(
-                f"schedule does not match this model: {where} has a {kind.replace('_', ' ')} hook the profile did "
-                f"not see ({function}){more}; what a hook keeps is not in the prediction, and a recompute runs it "
-                "again: register hooks in the model's factory, so the profile measures and rehearses them, and "
-                "profile again"
-            )
+        problem = hooks_problem(self.expected.hooks, self.model)
+        if problem:
+            raise FingerprintError(f"schedule does not match this model: {problem}")
+
+
+def hooks_problem(profiled: tuple[str, ...], model: nn.Module) -> str | None:
+    """Why ``model``'s hooks do not match the profile's, or None. A hook registered after the
+    profile (in a training loop, before or after ``apply``) that keeps what it is given holds
+    tensors the profile saw freed, and in a recompute the recomputed ones too: the profile
+    neither measured nor rehearsed it. Hooks the profile saw and the model lacks are harmless."""
+    new = unprofiled_hooks(profiled, model_hooks(model))
+    if not new:
+        return None
+    path, kind, function = new[0].split("|")
+    where = "every module" if path == EVERY_MODULE else f"'{path or '<model>'}'"
+    more = f" (and {len(new) - 1} more)" if len(new) > 1 else ""
+    return (
+        f"{where} has a {kind.replace('_', ' ')} hook the profile did not see ({function}){more}; what a hook "
+        "keeps is not in the prediction, and a recompute runs it again: register hooks in the model's factory, "
+        "so the profile measures and rehearses them, and profile again"
+    )
 
 
 def _device_of(args: Any, output: Any) -> str:

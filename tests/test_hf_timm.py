@@ -162,3 +162,25 @@ def test_cli_hf_loop_with_precision(tmp_path: Path, monkeypatch):
     assert report["within_budget"] and report["grads_match"]
     bad = runner.invoke(app, ["profile", "hf:llama", "--precision", "fp8", "-o", "q.yaml"])
     assert bad.exit_code == 2 and "--precision 'fp8'" in bad.output
+
+
+def test_transformers_output_capturing_hooks_are_not_taken_for_a_user_s():
+    """transformers installs hooks in the first forward that asks for hidden states; they keep
+    nothing in a training forward that does not ask, nor in a recompute, so a model that ran
+    such a forward before training is not refused as one with hooks its profile did not see."""
+    from monet_cli.profiler.run import profile_model
+    from monet_cli.runtime.executor import apply_schedule
+    from monet_cli.runtime.fingerprint import model_hooks
+    from tests.schedules_for_tests import plan_schedule
+
+    spec = _spec("hf:llama", (16,), **TINY_LLAMA)
+    profile = profile_model(spec, torch.device("cpu"), steps=1)
+    layer = next(c.index for c in profile.calls if c.fqn == "model.layers.0")
+    workload = build_workload(spec, torch.device("cpu"))
+    args, kwargs = workload.call_args()
+    with torch.no_grad():
+        workload.model(*args, **kwargs, output_hidden_states=True)
+    assert any(m._forward_hooks for m in workload.model.modules())
+    assert model_hooks(workload.model) == profile.fingerprint.hooks == ()
+    apply_schedule(workload.model, plan_schedule(profile, {layer: frozenset()}))
+    workload.timed_step(seed=0)  # the first training forward checks the hooks

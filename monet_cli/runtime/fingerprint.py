@@ -48,7 +48,10 @@ def model_modules_hash(model: nn.Module) -> str:
 
 # Hooks of PyTorch's own machinery (FSDP2, ModuleTracker) and of monet's (its executor, its
 # profiler) are made to run in a recompute; a fingerprint lists only the model's and the user's.
-_MACHINERY = ("torch.", "monet_cli.runtime.", "monet_cli.profiler.")
+# transformers installs its output-capturing hooks in the first forward that asks for hidden
+# states or attentions, and they keep nothing unless a forward asks: not in a training forward
+# that does not, nor in a recompute (backward runs outside the forward that set the collector).
+_MACHINERY = ("torch.", "monet_cli.runtime.", "monet_cli.profiler.", "transformers.utils.output_capturing.")
 
 
 def model_hooks(model: nn.Module) -> tuple[str, ...]:

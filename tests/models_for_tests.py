@@ -622,3 +622,30 @@ class SharedHookedNet(nn.Module):
 
 def shared_hook_net(width: int = 16, num_classes: int = 5) -> nn.Module:
     return SharedHookedNet(width, num_classes)
+
+
+class _SelfSavingBlock(nn.Module):
+    def __init__(self, width: int, how: str) -> None:
+        super().__init__()
+        self.a = nn.Linear(width, 4 * width)
+        self.b = nn.Linear(4 * width, width)
+        self.how = how
+
+    def inner(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.tanh(self.a(x)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.how == "save_on_cpu":
+            with torch.autograd.graph.save_on_cpu():
+                return x + self.inner(x)
+        if self.how in ("reentrant", "non-reentrant"):
+            return x + torch.utils.checkpoint.checkpoint(self.inner, x, use_reentrant=self.how == "reentrant")
+        return x + self.inner(x)
+
+
+def self_saving_net(width: int = 16, num_classes: int = 5, how: str = "non-reentrant") -> nn.Module:
+    """Research code that decides itself how its blocks save for backward: ``how`` is
+    ``reentrant`` or ``non-reentrant`` checkpoint, or ``save_on_cpu``, in every other block
+    (``none``: plain blocks). Input [N, width]."""
+    blocks = [_SelfSavingBlock(width, how if i % 2 == 0 else "none") for i in range(4)]
+    return nn.Sequential(*blocks, nn.Linear(width, num_classes))

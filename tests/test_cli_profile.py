@@ -143,6 +143,17 @@ def test_shipped_run_configs_parse():
         (["tests.models_for_tests:skip_cnn", "-i", "3,8,8", "--optimizer", "lion"], 2, "--optimizer 'lion'"),
         (["tests.models_for_tests:skip_cnn", "-i", "3,8,8", "--steps", "0"], 2, "--steps"),
         (["tests.models_for_tests:broken_model", "-i", "3,8,8"], 8, "ValueError: expected 4 channels, got 3"),
+        (  # a model that checkpoints itself: its profile could not measure it (a schedule measured 3.5% over)
+            ["tests.models_for_tests:self_saving_net", "-i", "16", "--model-arg", "how=reentrant"],
+            5,
+            "but the model calls a reentrant torch.utils.checkpoint, which its profile cannot measure",
+        ),
+        (
+            ["tests.models_for_tests:self_saving_net", "-i", "16", "--model-arg", "how=non-reentrant"],
+            5,
+            "but the model saves tensors through hooks of its own in '0.a' (a non-reentrant torch.utils.checkpoint",
+        ),
+        (["tests.models_for_tests:self_saving_net", "-i", "16", "--model-arg", "how=save_on_cpu"], 5, "'0.a'"),
         (["tests.models_for_tests:skip_cnn", "-i", "3,8,8", "--device", "tpu"], 2, "--device 'tpu'"),
     ],
 )

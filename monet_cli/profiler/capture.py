@@ -112,6 +112,9 @@ class StepRecorder(LiveStorageMeter):
         self.pending_unpacks: list[int] = []
         self.peak_pos = 0
         self.cuda = workload.device if workload.device.type == "cuda" else None
+        self.own_saving: str | None = None
+        """Where the model saves tensors for backward its own way (checkpoint, ``save_on_cpu``),
+        in words; None where it leaves that to autograd."""
 
     # -- storages -----------------------------------------------------------------
     def on_alloc(self, key: int, nbytes: int, kind: str, producer: int | None) -> None:
@@ -139,6 +142,11 @@ class StepRecorder(LiveStorageMeter):
         inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
         self.track_unseen_inputs(inputs)
         written = written_tensors(func, args, kwargs)
+        if self.phase == "forward" and self.own_saving is None and not self._saving_through_own_hooks():
+            self.own_saving = (
+                f"saves tensors through hooks of its own in {_where(self._module_path())} "
+                "(a non-reentrant torch.utils.checkpoint, or torch.autograd.graph.save_on_cpu)"
+            )
         out, workspace = self._run_op(func, args, kwargs)
         outputs = []
         for tensor in tree_flatten(out)[0]:
@@ -162,6 +170,13 @@ class StepRecorder(LiveStorageMeter):
         )
         self.pos = pos + 1
         return out
+
+    def _saving_through_own_hooks(self) -> bool:
+        """Whether the innermost saved-tensor hooks are the recorder's. A model's non-reentrant
+        checkpoint or ``save_on_cpu`` pushes its own over them: what it saves, frees and
+        recomputes is then out of the recorder's sight."""
+        top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        return top is not None and top[0] == self._pack
 
     def _run_op(self, func, args: tuple, kwargs: dict) -> tuple[object, int]:
         """Run one op; on CUDA also return its workspace: the allocator's peak during the op above
@@ -257,6 +272,8 @@ class StepRecorder(LiveStorageMeter):
             if node is None or id(node) in seen:
                 continue
             seen[id(node)] = node
+            if self.own_saving is None and node.name() == "CheckpointFunctionBackward":
+                self.own_saving = "calls a reentrant torch.utils.checkpoint"  # its forward saves nothing, under no_grad
             node.register_hook(self._node_done)
             todo.extend(next_node for next_node, _ in node.next_functions)
 
@@ -523,3 +540,7 @@ def _outside_sub_calls(call_ms: Sequence[float], parents: Sequence[int | None]) 
         if parent is not None:
             own[parent] -= call_ms[call]
     return own
+
+
+def _where(path: str) -> str:
+    return f"'{path}'" if path else "the model's own code"

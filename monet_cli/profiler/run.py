@@ -33,7 +33,7 @@ from monet_cli.core.profile import (
     StorageRecord,
 )
 from monet_cli.core.variants import find_sites
-from monet_cli.errors import ModelError
+from monet_cli.errors import CheckpointConflictError, ModelError
 from monet_cli.profiler.alone import price_alone
 from monet_cli.profiler.capture import CallTimer, LifetimeRecorder, OpTimer, StepRecorder, Timings
 from monet_cli.profiler.in_step import as_written_step_ms, can_pair, price_in_step
@@ -42,6 +42,7 @@ from monet_cli.profiler.probe import probe_overheads
 from monet_cli.profiler.rehearse import Rehearsal
 from monet_cli.profiler.transfer import measure_transfer
 from monet_cli.profiler.variants import measure_variants
+from monet_cli.runtime.executor import refuse_existing_checkpointing
 from monet_cli.runtime.fingerprint import model_hooks, model_modules_hash, warn_if_untested_torch
 from monet_cli.runtime.host_memory import keep_freed_host_memory
 from monet_cli.runtime.meter import alloc_conf, measure_peak
@@ -91,6 +92,7 @@ def profile_model(
     configure_cuda(device)
     keep_freed_host_memory()  # steps timed without the page faults glibc's history would add
     workload = run_checked(lambda: build_workload(spec, device), "building the workload")
+    refuse_existing_checkpointing(workload.model)
     progress("warm-up step")
     run_checked(lambda: workload.timed_step(), "warm-up step")
     progress("measuring peak memory")
@@ -98,6 +100,11 @@ def profile_model(
     progress("recording ops and memory")
     recorder = StepRecorder(workload)
     run_checked(recorder.record_step, "recording step")
+    if recorder.own_saving is not None:
+        raise CheckpointConflictError(
+            f"monet's schedule decides what is kept and recomputed, but the model {recorder.own_saving}, "
+            "which its profile cannot measure: remove that from the model's code and let the schedule decide"
+        )
     progress("replaying activation lifetimes")
     lifetimes = LifetimeRecorder()
     run_checked(lambda: lifetimes.record_forward(workload), "lifetime pass")

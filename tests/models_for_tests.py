@@ -649,3 +649,27 @@ def self_saving_net(width: int = 16, num_classes: int = 5, how: str = "non-reent
     (``none``: plain blocks). Input [N, width]."""
     blocks = [_SelfSavingBlock(width, how if i % 2 == 0 else "none") for i in range(4)]
     return nn.Sequential(*blocks, nn.Linear(width, num_classes))
+
+
+class RoutedNet(nn.Module):
+    """Top-1 routing by value, as mixture-of-experts layers do it: each row goes to the expert
+    its router scores highest, gathered with ``nonzero``, so the experts' shapes depend on the
+    data. Input [N, width]."""
+
+    def __init__(self, width: int = 16, num_classes: int = 5) -> None:
+        super().__init__()
+        self.router = nn.Linear(width, 2)
+        self.experts = nn.ModuleList(nn.Linear(width, width) for _ in range(2))
+        self.head = nn.Linear(width, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        choice = self.router(x).argmax(dim=-1)
+        out = torch.zeros_like(x)
+        for k, expert in enumerate(self.experts):
+            rows = (choice == k).nonzero().squeeze(-1)
+            out = out.index_add(0, rows, expert(x[rows]))
+        return self.head(out)
+
+
+def routed_net(width: int = 16, num_classes: int = 5) -> nn.Module:
+    return RoutedNet(width, num_classes)

@@ -154,6 +154,7 @@ def test_shipped_run_configs_parse():
             "but the model saves tensors through hooks of its own in '0.a' (a non-reentrant torch.utils.checkpoint",
         ),
         (["tests.models_for_tests:self_saving_net", "-i", "16", "--model-arg", "how=save_on_cpu"], 5, "'0.a'"),
+        (["tests.models_for_tests:routed_net", "-i", "16"], 5, "the model runs ops on other shapes on another batch"),
         (["tests.models_for_tests:skip_cnn", "-i", "3,8,8", "--device", "tpu"], 2, "--device 'tpu'"),
     ],
 )

@@ -184,3 +184,25 @@ def test_transformers_output_capturing_hooks_are_not_taken_for_a_user_s():
     assert model_hooks(workload.model) == profile.fingerprint.hooks == ()
     apply_schedule(workload.model, plan_schedule(profile, {layer: frozenset()}))
     workload.timed_step(seed=0)  # the first training forward checks the hooks
+
+
+def test_a_padded_batch_is_refused_with_the_reason():
+    """monet profiles a language model on a batch without padding. A padded batch runs other ops
+    (transformers builds an attention mask only then), so the first training forward refuses
+    it, and says that padding is why."""
+    from monet_cli.errors import FingerprintError
+    from monet_cli.profiler.run import profile_model
+    from monet_cli.runtime.executor import apply_schedule
+    from tests.schedules_for_tests import plan_schedule
+
+    spec = _spec("hf:llama", (16,), **TINY_LLAMA)
+    profile = profile_model(spec, torch.device("cpu"), steps=1)
+    layer = next(c.index for c in profile.calls if c.fqn == "model.layers.0")
+    workload = build_workload(spec, torch.device("cpu"))
+    apply_schedule(workload.model, plan_schedule(profile, {layer: frozenset()}))
+    mask = workload.inputs[[i.name for i in spec.inputs].index("attention_mask")]
+    mask[0, -4:] = 0
+    with pytest.raises(FingerprintError, match=r"ops differ .*; this batch pads \(its attention_mask has zeros\)"):
+        workload.timed_step(seed=0)
+    mask.fill_(1)
+    workload.timed_step(seed=0)  # the same model, unpadded: checked and run

@@ -83,14 +83,10 @@ def _workload(schedule: Schedule, model_spec: str | None, device):
 
 def model_fingerprint(workload):
     """Fingerprint of one training forward of the workload's model on its device (no optimizer step)."""
-    from monet_cli.runtime.fingerprint import ModuleStack, OpSequence
+    from monet_cli.runtime.fingerprint import forward_fingerprint
     from monet_cli.workload.step import run_checked
 
-    with ModuleStack(workload.model) as stack:
-        sequence = OpSequence(stack)
-        with sequence:
-            run_checked(workload.run_model, "forward")
-    return sequence.fingerprint(workload.device.type, workload.spec.precision)
+    return run_checked(lambda: forward_fingerprint(workload), "forward")
 
 
 def _segment_modules(schedule: Schedule, workload) -> Check:

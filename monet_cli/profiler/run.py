@@ -33,7 +33,7 @@ from monet_cli.core.profile import (
     StorageRecord,
 )
 from monet_cli.core.variants import find_sites
-from monet_cli.errors import CheckpointConflictError, ModelError
+from monet_cli.errors import CheckpointConflictError, FingerprintError, ModelError
 from monet_cli.profiler.alone import price_alone
 from monet_cli.profiler.capture import CallTimer, LifetimeRecorder, OpTimer, StepRecorder, Timings
 from monet_cli.profiler.in_step import as_written_step_ms, can_pair, price_in_step
@@ -43,11 +43,11 @@ from monet_cli.profiler.rehearse import Rehearsal
 from monet_cli.profiler.transfer import measure_transfer
 from monet_cli.profiler.variants import measure_variants
 from monet_cli.runtime.executor import refuse_existing_checkpointing
-from monet_cli.runtime.fingerprint import model_hooks, model_modules_hash, warn_if_untested_torch
+from monet_cli.runtime.fingerprint import forward_fingerprint, model_hooks, model_modules_hash, warn_if_untested_torch
 from monet_cli.runtime.host_memory import keep_freed_host_memory
 from monet_cli.runtime.meter import alloc_conf, measure_peak
 from monet_cli.runtime.sharing import others_busy_since, read_cpu_times, warn_if_shared
-from monet_cli.workload.step import Workload, build_workload, configure_cuda, run_checked
+from monet_cli.workload.step import Workload, build_workload, configure_cuda, make_inputs, run_checked
 
 Progress = Callable[[str], None]
 
@@ -73,6 +73,24 @@ Python's jitter (a test model's 0.7 ms step came out 1.2x slower at the end)."""
 
 def _no_progress(label: str) -> None:
     pass
+
+
+def refuse_value_dependent_ops(workload: Workload) -> None:
+    """A model whose ops or shapes depend on its inputs' values, not only their shapes (MoE
+    routing, nonzero or unique on data): a profile records one op sequence, a schedule is made
+    for it, and in a training loop the next batch runs another (whose peak nothing predicted),
+    which the fingerprint check then refuses as another model. One more forward, on a second
+    random batch of the same shapes, finds that at profile time."""
+    seed = workload.spec.seed + 1
+    other = replace(workload, inputs=make_inputs(workload.spec.inputs, workload.spec.batch_size, workload.device, seed))
+    first, second = (run_checked(lambda w=w: forward_fingerprint(w), "forward") for w in (workload, other))
+    if (first.structure, first.shapes) != (second.structure, second.shapes):
+        what = "other ops" if first.structure != second.structure else "ops on other shapes"
+        raise FingerprintError(
+            f"the model runs {what} on another batch of the same shapes (two random batches gave two op sequences: "
+            "routing by value, as mixture-of-experts layers do, or nonzero/unique on the data): a schedule is made "
+            "for one op sequence, and its peak cannot be promised for the others"
+        )
 
 
 def profile_steps(steps: int) -> int:
@@ -105,6 +123,7 @@ def profile_model(
             f"monet's schedule decides what is kept and recomputed, but the model {recorder.own_saving}, "
             "which its profile cannot measure: remove that from the model's code and let the schedule decide"
         )
+    refuse_value_dependent_ops(workload)
     progress("replaying activation lifetimes")
     lifetimes = LifetimeRecorder()
     run_checked(lambda: lifetimes.record_forward(workload), "lifetime pass")

@@ -27,6 +27,7 @@ from monet_cli.core.fingerprint import (
 )
 from monet_cli.core.profile import Fingerprint
 from monet_cli.errors import FingerprintError
+from monet_cli.workload.step import Workload
 
 # Ops that make no storage and whose presence depends on how autograd saves tensors
 # (saved-tensor hooks change when ``detach`` runs); selective checkpointing ignores them
@@ -126,6 +127,15 @@ class OpSequence(TorchDispatchMode):
             torch=torch_version(),
             precision=precision,  # type: ignore[arg-type]
         )
+
+
+def forward_fingerprint(workload: Workload) -> Fingerprint:
+    """The fingerprint of one training forward of the workload's model on its inputs (no backward)."""
+    with ModuleStack(workload.model) as stack:
+        sequence = OpSequence(stack)
+        with sequence:
+            workload.run_model()
+    return sequence.fingerprint(workload.device.type, workload.spec.precision)
 
 
 def runtime_precision(device_type: str) -> str:
@@ -234,20 +244,24 @@ class FirstForwardCheck:
         self.skip = skip
         self.done = False
         self._state: tuple[ModuleStack, OpSequence, dict[str, str]] | None = None
+        self._padded = False
+        """Whether the checked forward's ``attention_mask`` masks tokens out (padding)."""
         self._handles: list[Any] = []
 
     def install(self) -> None:
         self._handles = [
-            self.model.register_forward_pre_hook(self._start),
+            self.model.register_forward_pre_hook(self._start, with_kwargs=True),
             # always_call: a forward that raises must still take the check's modes off the
             # stack, or they would stay on for everything the process runs after it.
             self.model.register_forward_hook(self._finish, always_call=True),
         ]
 
-    def _start(self, module: nn.Module, args: Any) -> None:
+    def _start(self, module: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
         if self.done or not torch.is_grad_enabled() or not module.training:
             return
         self._check_hooks()
+        mask = kwargs.get("attention_mask")
+        self._padded = isinstance(mask, torch.Tensor) and not bool(mask.all())
         stack = ModuleStack(self.model).__enter__()
         stack.enter_root(self.model)
         sequence = OpSequence(stack, self.skip)
@@ -268,6 +282,14 @@ class FirstForwardCheck:
             handle.remove()
         device = _device_of(args, output)
         problem = mismatch(self.expected, sequence.fingerprint(device, precision[device]))
+        if problem and self._padded:
+            # monet profiles a language model on a batch without padding (its mask all ones);
+            # Hugging Face models build an attention mask only for a padded one.
+            problem += (
+                "; this batch pads (its attention_mask has zeros), where the profile's did not, and a padded batch "
+                "runs other ops (a [batch, 1, tokens, tokens] attention mask): train on batches without padding, "
+                "packing sequences to the profile's length"
+            )
         if problem:
             raise FingerprintError(f"schedule does not match this model: {problem}")
 

@@ -188,8 +188,8 @@ def test_transformers_output_capturing_hooks_are_not_taken_for_a_user_s():
 
 def test_a_padded_batch_is_refused_with_the_reason():
     """monet profiles a language model on a batch without padding. A padded batch runs other ops
-    (transformers builds an attention mask only then), so the first training forward refuses
-    it, and says that padding is why."""
+    (transformers builds an attention mask only then), so every training forward refuses one,
+    the first or a later one, and says that padding is why; eval forwards may pad."""
     from monet_cli.errors import FingerprintError
     from monet_cli.profiler.run import profile_model
     from monet_cli.runtime.executor import apply_schedule
@@ -202,7 +202,14 @@ def test_a_padded_batch_is_refused_with_the_reason():
     apply_schedule(workload.model, plan_schedule(profile, {layer: frozenset()}))
     mask = workload.inputs[[i.name for i in spec.inputs].index("attention_mask")]
     mask[0, -4:] = 0
-    with pytest.raises(FingerprintError, match=r"ops differ .*; this batch pads \(its attention_mask has zeros\)"):
+    padded = r"schedule does not match this batch: it pads \(its attention_mask has zeros\)"
+    with pytest.raises(FingerprintError, match=padded):
         workload.timed_step(seed=0)
     mask.fill_(1)
     workload.timed_step(seed=0)  # the same model, unpadded: checked and run
+    mask[1, -1] = 0
+    with pytest.raises(FingerprintError, match=padded):
+        workload.timed_step(seed=0)
+    workload.model.eval()
+    with torch.no_grad():
+        workload.run_model()

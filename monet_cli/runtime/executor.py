@@ -56,6 +56,8 @@ def apply_schedule(model: nn.Module, schedule: Schedule | str | Path, *, check_f
     _warn_if_other_allocator(schedule)
     refuse_existing_checkpointing(model)
     model.register_forward_pre_hook(_refuse_on_training_forward)
+    if _profiled_unpadded(schedule):
+        model.register_forward_pre_hook(_refuse_padded_batches, with_kwargs=True)
     if turn_off_kv_cache(model):
         warnings.warn(
             "monet: set model.config.use_cache = False for training, as transformers' own gradient "
@@ -162,6 +164,24 @@ def _refuse_on_training_forward(model: nn.Module, args: Any) -> None:
     # Trainers switch checkpointing on after the model is built (TrainingArguments(gradient_checkpointing=True)).
     if model.training and torch.is_grad_enabled():
         refuse_existing_checkpointing(model)
+
+
+def _profiled_unpadded(schedule: Schedule) -> bool:
+    """Whether the profile fed an ``attention_mask`` of ones (monet's language-model inputs)."""
+    return any(i.name == "attention_mask" and i.low == 1 for i in schedule.model.inputs)
+
+
+def _refuse_padded_batches(model: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
+    # transformers builds a [batch, 1, tokens, tokens] attention mask only for a padded batch:
+    # other ops than the profile's, and memory the prediction lacks. Every training forward is
+    # checked (one small reduction), since padding may first show in any batch.
+    mask = kwargs.get("attention_mask")
+    if model.training and torch.is_grad_enabled() and isinstance(mask, torch.Tensor) and not bool(mask.all()):
+        raise FingerprintError(
+            "schedule does not match this batch: it pads (its attention_mask has zeros), where the profile's batch "
+            "did not, and a padded batch runs other ops (a [batch, 1, tokens, tokens] attention mask) whose memory "
+            "the prediction lacks: train on batches without padding, packing sequences to the profile's length"
+        )
 
 
 def _keep_policy(keep: frozenset[tuple[str, int]]) -> Callable[[], Any]:

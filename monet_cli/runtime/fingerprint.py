@@ -244,24 +244,20 @@ class FirstForwardCheck:
         self.skip = skip
         self.done = False
         self._state: tuple[ModuleStack, OpSequence, dict[str, str]] | None = None
-        self._padded = False
-        """Whether the checked forward's ``attention_mask`` masks tokens out (padding)."""
         self._handles: list[Any] = []
 
     def install(self) -> None:
         self._handles = [
-            self.model.register_forward_pre_hook(self._start, with_kwargs=True),
+            self.model.register_forward_pre_hook(self._start),
             # always_call: a forward that raises must still take the check's modes off the
             # stack, or they would stay on for everything the process runs after it.
             self.model.register_forward_hook(self._finish, always_call=True),
         ]
 
-    def _start(self, module: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
+    def _start(self, module: nn.Module, args: Any) -> None:
         if self.done or not torch.is_grad_enabled() or not module.training:
             return
         self._check_hooks()
-        mask = kwargs.get("attention_mask")
-        self._padded = isinstance(mask, torch.Tensor) and not bool(mask.all())
         stack = ModuleStack(self.model).__enter__()
         stack.enter_root(self.model)
         sequence = OpSequence(stack, self.skip)
@@ -282,14 +278,6 @@ class FirstForwardCheck:
             handle.remove()
         device = _device_of(args, output)
         problem = mismatch(self.expected, sequence.fingerprint(device, precision[device]))
-        if problem and self._padded:
-            # monet profiles a language model on a batch without padding (its mask all ones);
-            # Hugging Face models build an attention mask only for a padded one.
-            problem += (
-                "; this batch pads (its attention_mask has zeros), where the profile's did not, and a padded batch "
-                "runs other ops (a [batch, 1, tokens, tokens] attention mask): train on batches without padding, "
-                "packing sequences to the profile's length"
-            )
         if problem:
             raise FingerprintError(f"schedule does not match this model: {problem}")
 

@@ -297,7 +297,7 @@ def hooks_problem(profiled: tuple[str, ...], model: nn.Module) -> str | None:
     new = unprofiled_hooks(profiled, model_hooks(model))
     if not new:
         return None
-    path, kind, function = new[0].split("|")
+    path, kind, function = new[0].split("|", 2)
     where = "every module" if path == EVERY_MODULE else f"'{path or '<model>'}'"
     more = f" (and {len(new) - 1} more)" if len(new) > 1 else ""
     return (

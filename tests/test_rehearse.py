@@ -224,7 +224,7 @@ def test_hooks_registered_after_the_profile_are_refused(tmp_path):
         "prediction, and a recompute runs it again: register hooks in the model's factory, so the profile "
         "measures and rehearses them, and profile again"
     )
-    save_schedule(schedule, tmp_path / "s.yaml")  # validate builds the factory's model: it has the hooks
+    save_schedule(schedule, tmp_path / "s.yaml")  # validate builds the factory's model, which registers none
     shown = CliRunner().invoke(app, ["validate", str(tmp_path / "s.yaml"), "--json"])
     assert shown.exit_code == 0, shown.output
     assert {"name": "forward hooks", "status": "passed", "detail": "none the profile did not see"} in json.loads(

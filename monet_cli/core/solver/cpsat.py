@@ -91,13 +91,11 @@ class Costs:
 def step_costs(model: SegmentModel) -> Costs:
     seg, keep_saving, policy, nest = {}, {}, {}, {}
     variant = {v: round(site.time_ms * US_PER_MS) for v, site in enumerate(model.profile.variants)}
-    ops = model.profile.ops
     for c, info in model.segments.items():
         seg[c] = round(model.added_ms(c) * US_PER_MS)
         policy[c] = round((model.overhead_ms(c, frozenset(info.candidates[:1])) - model.overhead_ms(c)) * US_PER_MS)
         for i in info.candidates:
-            saved = ops[i].time_ms if info.burst_pos is not None and i < info.stop else 0.0
-            keep_saving[(c, i)] = round(saved * US_PER_MS)
+            keep_saving[(c, i)] = round(model.kept_saving_ms(c, i) * US_PER_MS)
     for (outer, inner), frames in model.pair_frames.items():
         frame = frames[outer]
         nest[(outer, inner)] = round(model.added_ms(outer, frame=frame) * US_PER_MS) - seg[outer]

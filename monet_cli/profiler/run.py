@@ -75,7 +75,7 @@ def _no_progress(label: str) -> None:
     pass
 
 
-def refuse_value_dependent_ops(workload: Workload) -> None:
+def refuse_value_dependent_ops(workload: Workload, recorder: StepRecorder) -> None:
     """A model whose ops or shapes depend on its inputs' values, not only their shapes (MoE
     routing, nonzero or unique on data): a profile records one op sequence, a schedule is made
     for it, and in a training loop the next batch runs another (whose peak nothing predicted),
@@ -83,9 +83,10 @@ def refuse_value_dependent_ops(workload: Workload) -> None:
     random batch of the same shapes, finds that at profile time."""
     seed = workload.spec.seed + 1
     other = replace(workload, inputs=make_inputs(workload.spec.inputs, workload.spec.batch_size, workload.device, seed))
-    first, second = (run_checked(lambda w=w: forward_fingerprint(w), "forward") for w in (workload, other))
-    if (first.structure, first.shapes) != (second.structure, second.shapes):
-        what = "other ops" if first.structure != second.structure else "ops on other shapes"
+    structure, shapes = _recorded_hashes(recorder)
+    second = run_checked(lambda: forward_fingerprint(other), "forward")
+    if (structure, shapes) != (second.structure, second.shapes):
+        what = "other ops" if structure != second.structure else "ops on other shapes"
         raise FingerprintError(
             f"the model runs {what} on another batch of the same shapes (two random batches gave two op sequences: "
             "routing by value, as mixture-of-experts layers do, or nonzero/unique on the data): a schedule is made "
@@ -123,7 +124,7 @@ def profile_model(
             f"monet's schedule decides what is kept and recomputed, but the model {recorder.own_saving}, "
             "which its profile cannot measure: remove that from the model's code and let the schedule decide"
         )
-    refuse_value_dependent_ops(workload)
+    refuse_value_dependent_ops(workload, recorder)
     progress("replaying activation lifetimes")
     lifetimes = LifetimeRecorder()
     run_checked(lambda: lifetimes.record_forward(workload), "lifetime pass")
@@ -249,6 +250,13 @@ def _timed_calls(workload: Workload, recorder: StepRecorder) -> tuple[float, lis
 # -- turning raw records into the Profile ---------------------------------------------
 
 
+def _recorded_hashes(recorder: StepRecorder) -> tuple[str, str]:
+    """The fingerprint's structure and shapes hashes of the recorded forward's model ops (apply()
+    checks a user's model in the user's loop, which computes its own loss)."""
+    fingerprinted = model_ops([op for op in recorder.ops if op.phase == "forward"], lambda op: op.module)
+    return structure_hash((op.op, op.module) for op in fingerprinted), shapes_hash(op.signature for op in fingerprinted)
+
+
 def build_profile(
     workload: Workload,
     recorder: StepRecorder,
@@ -263,8 +271,7 @@ def build_profile(
     if lifetimes.ops != [op.op for op in forward]:
         raise ModelError("the model ran different ops in two forwards; monet needs the same ops every step")
     op_ms = timings.median_op_ms()
-    # apply() checks a user's model in the user's loop, which computes its own loss.
-    fingerprinted = model_ops(forward, lambda op: op.module)
+    structure, shapes = _recorded_hashes(recorder)
     storages = _storage_records(recorder, lifetimes, len(forward))
     ops = _op_records(recorder, forward, storages, op_ms)
     return Profile(
@@ -274,8 +281,8 @@ def build_profile(
         device=device_info(workload.device),
         env=env_info(),
         fingerprint=Fingerprint(
-            structure=structure_hash((op.op, op.module) for op in fingerprinted),
-            shapes=shapes_hash(op.signature for op in fingerprinted),
+            structure=structure,
+            shapes=shapes,
             device_type=workload.device.type,
             torch=torch.__version__.split("+")[0],
             precision=workload.spec.precision,

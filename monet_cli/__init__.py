@@ -18,9 +18,11 @@ def apply(model: nn.Module, schedule: Schedule | str | Path, *, check_fingerprin
 
     The training loop stays unchanged. The first training forward checks the model's
     fingerprint against the schedule and raises ``monet_cli.errors.FingerprintError``
-    when the schedule was made for another model, batch size, device type or torch, or
-    when the model has forward hooks its profile did not see (register them in the
-    model's factory).
+    when the schedule was made for another model, batch size, device type or torch. Every
+    training forward raises it when the model has forward hooks its profile did not see
+    (register them in the model's factory), when the batch pads where the profile's did
+    not, and when the previous training forward still waits for its backward.
+    ``check_fingerprint=False`` skips the fingerprint and hook checks.
     """
     from monet_cli.runtime.executor import apply_schedule
 

@@ -185,8 +185,8 @@ def test_hooks_of_a_module_called_twice_are_rehearsed():
 def test_hooks_registered_after_the_profile_are_refused(tmp_path):
     """A training loop that registers a collecting hook after the profile holds tensors the
     profile saw freed: run unchecked, the step measures over its prediction whether or not a
-    recompute runs the hook. The first training forward refuses such a model; the hooks the
-    profile saw pass (``test_hooks_that_keep_what_a_re_run_makes_are_found``)."""
+    recompute runs the hook. Every training forward refuses such a model, the first and any
+    later one; the hooks the profile saw pass (``test_hooks_that_keep_what_a_re_run_makes_are_found``)."""
     spec = resolve_model_spec(
         "tests.models_for_tests:hooked_net",
         Overrides(batch_size=128, inputs=(InputSpec(shape=(16,)),), model_kwargs={"store": None}),
@@ -215,6 +215,11 @@ def test_hooks_registered_after_the_profile_are_refused(tmp_path):
     assert peak(hooked([], check=True)) == schedule.predicted.peak_bytes
     for path in ("blocks.0.a", "blocks.1.a"):  # in the segment, and outside it
         assert peak(hooked([path], check=False)) > schedule.predicted.peak_bytes
+    late = hooked([], check=True)  # a hook registered after the first step is refused at the next one
+    late.timed_step(seed=0)
+    late.model.get_submodule("blocks.1.a").register_forward_hook(collect)
+    with pytest.raises(FingerprintError, match="'blocks.1.a' has a forward hook the profile did not see"):
+        late.timed_step(seed=0)
     refused = hooked(["blocks.1.a", "blocks.0.a"], check=True)
     with pytest.raises(FingerprintError) as raised:
         refused.timed_step(seed=0)

@@ -149,7 +149,7 @@ def test_torch_checkpoint_wrapper_is_refused(gpt2_schedule):
 
 
 def test_timm_grad_checkpointing_is_refused():
-    from monet_cli.runtime.executor import refuse_existing_checkpointing
+    from monet_cli.runtime.guards import refuse_existing_checkpointing
 
     model = build_model(case_spec("vit_small"))
     refuse_existing_checkpointing(model)  # off: nothing to refuse

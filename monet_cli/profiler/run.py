@@ -42,8 +42,8 @@ from monet_cli.profiler.probe import probe_overheads
 from monet_cli.profiler.rehearse import Rehearsal
 from monet_cli.profiler.transfer import measure_transfer
 from monet_cli.profiler.variants import measure_variants
-from monet_cli.runtime.executor import refuse_existing_checkpointing
 from monet_cli.runtime.fingerprint import forward_fingerprint, model_hooks, model_modules_hash, warn_if_untested_torch
+from monet_cli.runtime.guards import refuse_existing_checkpointing
 from monet_cli.runtime.host_memory import keep_freed_host_memory
 from monet_cli.runtime.meter import alloc_conf, measure_peak
 from monet_cli.runtime.sharing import others_busy_since, read_cpu_times, warn_if_shared

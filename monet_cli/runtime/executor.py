@@ -33,9 +33,10 @@ from torch.utils.checkpoint import (
 
 from monet_cli.core.allocator import same_counting
 from monet_cli.core.schedule import Schedule, load_schedule
-from monet_cli.errors import CheckpointConflictError, FingerprintError
+from monet_cli.errors import FingerprintError
 from monet_cli.runtime.fingerprint import FirstForwardCheck, warn_if_untested_torch
 from monet_cli.runtime.frames import abandon_frame, close_frame, open_frame
+from monet_cli.runtime.guards import install_guards, refuse_existing_checkpointing
 from monet_cli.runtime.meter import MachineryMarker, alloc_conf
 from monet_cli.runtime.offload import install_offloads
 from monet_cli.runtime.ranges import RangeSegment
@@ -55,9 +56,7 @@ def apply_schedule(model: nn.Module, schedule: Schedule | str | Path, *, check_f
     warn_if_untested_torch()
     _warn_if_other_allocator(schedule)
     refuse_existing_checkpointing(model)
-    model.register_forward_pre_hook(_refuse_on_training_forward)
-    if _profiled_unpadded(schedule):
-        model.register_forward_pre_hook(_refuse_padded_batches, with_kwargs=True)
+    install_guards(model, schedule, check_hooks=check_fingerprint)
     if turn_off_kv_cache(model):
         warnings.warn(
             "monet: set model.config.use_cache = False for training, as transformers' own gradient "
@@ -125,63 +124,6 @@ def applied_schedule(model: nn.Module) -> Schedule | None:
 def machinery(model: nn.Module) -> MachineryMarker | None:
     """The flag that is up while checkpoint's own bookkeeping runs in ``model``'s segments."""
     return getattr(model, _MACHINERY, None)
-
-
-def existing_checkpointing(model: nn.Module) -> str | None:
-    """Where the model already checkpoints activations itself, in words (None: nowhere)."""
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
-
-    for name, module in model.named_modules():
-        # Both libraries set their flag as a plain attribute. vars() reads it without getattr's
-        # default, which costs an AttributeError inside nn.Module.__getattr__ per module, and
-        # this runs on every training forward (resnet50, timed in alternation: 471 us with getattr, 127 with vars()).
-        flags = vars(module)
-        if flags.get("gradient_checkpointing") is True:
-            return (
-                f"{_where(name)} has Hugging Face gradient checkpointing on: turn it off (model.gradient_checkpointing_disable(), "
-                "or leave gradient_checkpointing out of TrainingArguments)"
-            )
-        if flags.get("grad_checkpointing") is True:
-            return f"{_where(name)} has timm gradient checkpointing on: call model.set_grad_checkpointing(False)"
-        if isinstance(module, CheckpointWrapper):
-            return (
-                f"{_where(name)} is wrapped by torch's checkpoint_wrapper (apply_activation_checkpointing): remove it"
-            )
-    return None
-
-
-def _where(name: str) -> str:
-    return f"'{name}'" if name else "the model"
-
-
-def refuse_existing_checkpointing(model: nn.Module) -> None:
-    problem = existing_checkpointing(model)
-    if problem is not None:
-        raise CheckpointConflictError(f"monet's schedule decides what is recomputed, but {problem}")
-
-
-def _refuse_on_training_forward(model: nn.Module, args: Any) -> None:
-    # Trainers switch checkpointing on after the model is built (TrainingArguments(gradient_checkpointing=True)).
-    if model.training and torch.is_grad_enabled():
-        refuse_existing_checkpointing(model)
-
-
-def _profiled_unpadded(schedule: Schedule) -> bool:
-    """Whether the profile fed an ``attention_mask`` of ones (monet's language-model inputs)."""
-    return any(i.name == "attention_mask" and i.low == 1 for i in schedule.model.inputs)
-
-
-def _refuse_padded_batches(model: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
-    # transformers builds a [batch, 1, tokens, tokens] attention mask only for a padded batch:
-    # other ops than the profile's, and memory the prediction lacks. Every training forward is
-    # checked (one small reduction), since padding may first show in any batch.
-    mask = kwargs.get("attention_mask")
-    if model.training and torch.is_grad_enabled() and isinstance(mask, torch.Tensor) and not bool(mask.all()):
-        raise FingerprintError(
-            "schedule does not match this batch: it pads (its attention_mask has zeros), where the profile's batch "
-            "did not, and a padded batch runs other ops (a [batch, 1, tokens, tokens] attention mask) whose memory "
-            "the prediction lacks: train on batches without padding, packing sequences to the profile's length"
-        )
 
 
 def _keep_policy(keep: frozenset[tuple[str, int]]) -> Callable[[], Any]:

@@ -1,5 +1,6 @@
-"""Training loops as users write them, around a scheduled model: what a scheduled model
-refuses (a second forward before a backward). The hooks a loop registers: ``test_rehearse.py``."""
+"""Training loops as users write them, around a scheduled model: what the prediction covers
+(the output a loop holds) and what a scheduled model refuses (a second forward before a
+backward). The hooks a loop registers: ``test_rehearse.py``."""
 
 from __future__ import annotations
 
@@ -50,6 +51,22 @@ def _peak(workload: Workload, step: Callable[[], None], held: list[torch.Tensor]
     # Generators: a list here would hold the first step's output through the second.
     preexisting = itertools.chain(workload.resident_tensors(), ((t, "output") for t in held))
     return measure_step(step, device=CPU, preexisting=preexisting).peak_bytes
+
+
+def test_a_loop_holding_its_output_peaks_at_the_prediction(scheduled):
+    """``outputs = model(x)`` holds the output through backward and the optimizer step, and
+    into the next step until its forward returns: the profile measures its step that way."""
+    build, schedule = scheduled
+    workload = build()
+    held: list[torch.Tensor] = []
+
+    def step() -> None:
+        args, _ = workload.call_args()
+        held[:] = [workload.model(*args)]  # the previous output dies once the forward returns
+        workload.loss_fn(held[0]).backward()
+        workload.optimizer.step()
+
+    assert _peak(workload, step, held) == schedule.predicted.peak_bytes
 
 
 def test_a_second_training_forward_before_the_first_s_backward_is_refused(scheduled, monkeypatch):

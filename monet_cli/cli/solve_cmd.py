@@ -112,6 +112,7 @@ _KIND_NAMES = {
     "temp": "backward temporaries",
     "recomputed": "recomputed activations",
     "input": "inputs",
+    "output": "the last step's output, until the forward returns",
     "buffer": "buffers",
     "workspace": "op workspaces (CUDA)",
     "unsplit": "allocator blocks beyond their requests (CUDA)",

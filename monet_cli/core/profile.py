@@ -278,7 +278,7 @@ class ModuleCall:
 class StorageRecord:
     id: int
     bytes: int
-    kind: Literal["param", "buffer", "input", "grad", "optimizer", "activation", "temp", "other"]
+    kind: Literal["param", "buffer", "input", "output", "grad", "optimizer", "activation", "temp", "other"]
     producer: int | None
     """Position of the op that allocated it; None for storages that existed before the step."""
     alloc: int

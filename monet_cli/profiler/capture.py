@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
+from torch.utils.hooks import RemovableHandle
 
 from monet_cli.core.profile import LOSS_MODULE, Profile
 from monet_cli.errors import ModelError
@@ -110,6 +111,7 @@ class StepRecorder(LiveStorageMeter):
         """Per parent call, the tensor its last finished call returned (None: not a tensor)."""
         self.packs: list[RawPack] = []
         self.pending_unpacks: list[int] = []
+        self.node_hooks: list[RemovableHandle] = []
         self.peak_pos = 0
         self.cuda = workload.device if workload.device.type == "cuda" else None
         self.own_saving: str | None = None
@@ -274,7 +276,7 @@ class StepRecorder(LiveStorageMeter):
             seen[id(node)] = node
             if self.own_saving is None and node.name() == "CheckpointFunctionBackward":
                 self.own_saving = "calls a reentrant torch.utils.checkpoint"  # its forward saves nothing, under no_grad
-            node.register_hook(self._node_done)
+            self.node_hooks.append(node.register_hook(self._node_done))
             todo.extend(next_node for next_node, _ in node.next_functions)
 
     def _on_phase(self, phase: str, loss: torch.Tensor) -> None:
@@ -287,8 +289,7 @@ class StepRecorder(LiveStorageMeter):
         """Run one step (grads cleared first) and record it."""
         w = self.workload
         w.zero_grad()
-        for tensor, kind in w.resident_tensors():
-            self.track(tensor, kind=kind, producer=None)
+        self.track_resident(w.resident_tensors())
         self._record_untracked()
         handles = [
             torch.nn.modules.module.register_module_forward_pre_hook(self._pre_hook),
@@ -300,7 +301,9 @@ class StepRecorder(LiveStorageMeter):
                 w.step(on_phase=self._on_phase)
             self.finished = True
         finally:
-            for handle in handles:
+            # The node hooks too: the workload holds its output, whose graph would hold them,
+            # and they this recorder, the workload and its model, in a cycle gc cannot see.
+            for handle in [*handles, *self.node_hooks]:
                 handle.remove()
         self._classify_backward_storages()
 
@@ -381,8 +384,7 @@ class LifetimeRecorder(LiveStorageMeter):
         return out
 
     def record_forward(self, workload: Workload) -> None:
-        for tensor, kind in workload.resident_tensors():
-            self.track(tensor, kind=kind, producer=None)
+        self.track_resident(workload.resident_tensors())
         with torch.autograd.graph.saved_tensors_hooks(lambda t: None, _never_unpacked), self:
             loss = workload.forward_loss()
         self.finished = True

@@ -79,6 +79,13 @@ class LiveStorageMeter(TorchDispatchMode):
         for tensor in tensors:
             self.track(tensor, kind=kind, producer=None)
 
+    def track_resident(self, resident: Iterable[tuple[torch.Tensor, str]]) -> None:
+        """Count what a workload keeps between steps (``Workload.resident_tensors``). Pass the
+        generator itself: a list, or a loop variable in the caller, would keep the last step's
+        output alive after the step's forward frees it."""
+        for tensor, kind in resident:
+            self.track(tensor, kind=kind, producer=None)
+
     def track(self, tensor: torch.Tensor, *, kind: str, producer: int | None) -> int | None:
         """Start counting ``tensor``'s storage; returns its key if it was new."""
         if not isinstance(tensor, torch.Tensor) or tensor.device.type == "meta":
@@ -227,7 +234,7 @@ def measure_step(
     step: Callable[[], None],
     *,
     device: torch.device,
-    preexisting: list[tuple[torch.Tensor, str]],
+    preexisting: Iterable[tuple[torch.Tensor, str]],
     foreign: Iterable[torch.Tensor] = (),
     timeline: bool = False,
     machinery: Any = None,
@@ -246,8 +253,7 @@ def measure_step(
         peak = int(torch.cuda.max_memory_allocated(device)) - cuda_allocated_bytes(foreign)
         return Measurement(peak_bytes=peak, meter="cuda-allocator")
     meter = TimelineMeter(machinery) if timeline else LiveStorageMeter()
-    for tensor, kind in preexisting:
-        meter.track(tensor, kind=kind, producer=None)
+    meter.track_resident(preexisting)
     with meter:
         step()
     return Measurement(

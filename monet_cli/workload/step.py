@@ -10,13 +10,14 @@ import contextlib
 import importlib
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils._pytree import tree_flatten
 
 from monet_cli.core.profile import LOSS_MODULE, PRECISIONS, InputSpec, ModelSpec
 from monet_cli.errors import DeviceError, ModelError, MonetError, UsageError
@@ -242,6 +243,10 @@ class Workload:
     """fp16-mixed: scales the loss so small float16 gradients do not underflow."""
     out_of_place: tuple[nn.Module, ...] = ()
     """Activation modules the factory built in place and ``build_workload`` switched out of place."""
+    output: Any = field(default=None, repr=False)
+    """The last training forward's output, held as ``outputs = model(batch)`` in a training loop
+    holds it: through the loss, backward and the optimizer step, and into the next step until
+    its forward returns. A model's output can be its largest tensor (a language model's logits)."""
 
     def call_args(self) -> tuple[tuple[torch.Tensor, ...], dict[str, torch.Tensor]]:
         """The model's positional and keyword inputs (``input_ids=...``, ``labels=...``)."""
@@ -272,9 +277,9 @@ class Workload:
     def forward_loss(self) -> torch.Tensor:
         args, kwargs = self.call_args()
         with self.autocast():
-            output = self.model(*args, **kwargs)
+            self.output = self.model(*args, **kwargs)  # the previous step's output dies here
             with loss_scope():
-                return self.loss_fn(output)
+                return self.loss_fn(self.output)
 
     def zero_grad(self) -> None:
         if self.optimizer is not None:
@@ -313,18 +318,19 @@ class Workload:
         self.sync()
         return (time.perf_counter() - start) * 1000.0
 
-    def resident_tensors(self) -> list[tuple[torch.Tensor, str]]:
+    def resident_tensors(self) -> Iterator[tuple[torch.Tensor, str]]:
         """Every tensor this workload keeps between steps (parameters, gradients, buffers,
-        optimizer state, data), with its kind of memory."""
-        found: list[tuple[torch.Tensor, str]] = []
-        found += [(p, "param") for p in self.model.parameters()]
-        found += [(p.grad, "grad") for p in self.model.parameters() if p.grad is not None]
-        found += [(b, "buffer") for b in self.model.buffers()]
+        optimizer state, data, the last output), with its kind of memory. A generator: whoever
+        counts them must not hold the output, which the next forward frees
+        (``LiveStorageMeter.track_resident``)."""
+        yield from ((p, "param") for p in self.model.parameters())
+        yield from ((p.grad, "grad") for p in self.model.parameters() if p.grad is not None)
+        yield from ((b, "buffer") for b in self.model.buffers())
         if self.optimizer is not None:
             for state in self.optimizer.state.values():
-                found += [(v, "optimizer") for v in state.values() if isinstance(v, torch.Tensor)]
-        found += [(t, "input") for t in self.data_tensors()]
-        return found
+                yield from ((v, "optimizer") for v in state.values() if isinstance(v, torch.Tensor))
+        yield from ((t, "input") for t in self.data_tensors())
+        yield from ((t, "output") for t in tree_flatten(self.output)[0] if isinstance(t, torch.Tensor))
 
     def sync(self) -> None:
         if self.device.type == "cuda":

@@ -225,12 +225,17 @@ def test_the_cp_model_nests_as_the_simulator_does(resnet50_small):
             assert {t for t, var in v.triple.items() if solver.boolean_value(var)} == {p for p in paths if len(p) == 3}
 
 
-def test_an_attention_range_recomputes_the_same_dropout_mask():
-    from dataclasses import replace
-
+@pytest.fixture(scope="module")
+def gpt_profile():
     from monet_cli.workload.resolve import Overrides, resolve_model_spec
 
-    profile = profile_model(resolve_model_spec("configs/gpt.yaml", Overrides(batch_size=2)), CPU, steps=1)
+    return profile_model(resolve_model_spec("configs/gpt.yaml", Overrides(batch_size=2)), CPU, steps=1)
+
+
+def test_an_attention_range_recomputes_the_same_dropout_mask(gpt_profile):
+    from dataclasses import replace
+
+    profile = gpt_profile
     model = SegmentModel(profile)
     # On this CPU attention with dropout runs as its parts: a softmax, then dropout's bernoulli_.
     sdpa = next(op.index for op in profile.ops if op.op == "aten.bernoulli_.float" and op.module == "blocks.1")
@@ -264,6 +269,34 @@ def test_an_attention_range_recomputes_the_same_dropout_mask():
     assert older.overhead_ms(block.index, frame=frame) == pytest.approx(upper) and upper > machinery
 
 
+def test_a_range_s_replay_drops_the_attention_s_projection_when_attention_returns(gpt_profile):
+    """tiny_gpt's attention splits the qkv projection into query, key and value views, which
+    hold it until the function returns, after the output projection and dropout; only
+    scaled_dot_product_attention reads them. The range's replay holds the projection until
+    that torch call returns (its ops, a dozen on this CPU, end together), and the simulator
+    says so; a profile made before the records this needs keeps the forward's lifetime."""
+    from dataclasses import replace
+
+    profile = gpt_profile
+    model = SegmentModel(profile)
+    block = next(c for c in profile.calls if c.fqn == "blocks.1")
+    qkv, proj = (next(c for c in profile.calls if c.fqn == f"blocks.1.{name}") for name in ("qkv", "proj"))
+    projection = next(s for s in profile.storages if s.producer is not None and qkv.first_op <= s.producer < qkv.end_op)
+    assert projection.returned_to == block.index  # the Linear handed it to the block's own code
+    between = [op for op in profile.ops[qkv.end_op : proj.first_op] if op.op != "aten.ones.default"]
+    softmax = next(op for op in between if op.op == "aten._safe_softmax.default")
+    attention = [op for op in between if op.torch_call_end == softmax.torch_call_end]
+    assert {"aten.bmm.default", "aten.bernoulli_.float"} <= {op.op for op in attention}
+    assert softmax.torch_call_end <= proj.first_op
+    span = next(c for c, r in model.ranges.items() if r.first_op == qkv.first_op and r.end_op == proj.end_op)
+    assert model.replay_drop(span, projection) == softmax.torch_call_end < proj.end_op <= projection.free_no_autograd
+    _check(profile, {span: frozenset()}, exact=False)  # proj is an addmm
+    older = replace(profile, ops=tuple(replace(op, torch_call_end=None) for op in profile.ops))
+    assert SegmentModel(older).replay_drop(span, projection) is None
+    before, now = live_series(SegmentModel(older), {span: frozenset()}), live_series(model, {span: frozenset()})
+    assert min(a - b for a, b in zip(before, now)) == 0 and max(a - b for a, b in zip(before, now)) == projection.bytes
+
+
 def test_every_range_replays_under_autocast_within_its_prediction():
     """Under bf16 autocast the casts are own ops on the tape and replay without autocast (the
     forward's float32 matmul with autocast off would otherwise be cast again): each range of
@@ -285,6 +318,10 @@ def test_every_range_replays_under_autocast_within_its_prediction():
     model = SegmentModel(profile)
     ranges = _ranges(model)
     assert len(ranges) >= 10 and any(op.op == "aten._to_copy.default" for op in profile.ops)
+    # Autocast's copies of a weight stay in its cache, held by no code: replays keep them.
+    up = next(c for c in profile.calls if c.fqn == "up")
+    copies = [s for s in profile.storages if s.producer is not None and up.first_op <= s.producer < up.end_op]
+    assert [s.returned_to for s in copies].count(None) == len(copies) - 1
     for name, call in sorted(ranges.items()):
         schedule = plan_schedule(profile, {call: frozenset()}, model=model)
         report = run_apply(schedule, CPU, steps=2, check=True, timeline=True)

@@ -229,6 +229,10 @@ class OpRecord:
     run without the Function (autograd would save other tensors), and one drawing from a
     generator passed to it would draw other numbers (checkpoint restores the default RNG
     only). Empty in profiles made before it was recorded."""
+    torch_call_end: int | None = None
+    """One past the last op of the torch function call that ran it, outermost (its own index
+    plus one when it ran in none): a range's replay repeats that call as one, holding its
+    arguments until it returns. None in profiles made before it was recorded."""
 
 
 @flow_row
@@ -287,6 +291,12 @@ class StorageRecord:
     """For forward storages: where it is freed when autograd keeps nothing (recompute candidates)."""
     mutated: bool = False
     """Written in place after it was produced: such a storage cannot be kept by a schedule."""
+    returned_to: int | None = None
+    """For an activation: the module call whose own code the forward last handed it to, a torch
+    call it made or a call it made having returned it (an op range's replay holds such a
+    tensor only until its last reader: ``SegmentModel.replay_drop``). None: none did (a
+    call's internal kept by a cache, autocast's copy of a weight), or a profile made before
+    it was recorded."""
 
 
 @flow_row
@@ -409,6 +419,7 @@ OMITTED_WHEN_DEFAULT = frozenset(
     {
         "OpRecord.workspace_bytes",
         "OpRecord.unreplayable",
+        "StorageRecord.returned_to",
         "ModuleCall.hooks_reason",
         "BackwardOp.workspace_bytes",
         "Fingerprint.hooks",

@@ -32,7 +32,7 @@ from itertools import combinations
 import numpy as np
 
 from monet_cli.core.offload import with_offload_sites
-from monet_cli.core.profile import ModuleCall, Profile
+from monet_cli.core.profile import ModuleCall, Profile, StorageRecord
 from monet_cli.core.ranges import OpRange, calls_made, op_ranges, packs_inside
 from monet_cli.core.variants import changed_storages, innermost_calls, with_variants
 
@@ -351,6 +351,35 @@ class SegmentModel:
             if storage.kind == "activation" and storage.producer is not None:
                 outputs[storage.producer].append(storage.id)
         return outputs
+
+    def replay_drop(self, range_call: int, storage: StorageRecord) -> int | None:
+        """Where op range ``range_call``'s replay drops its copy of ``storage``, made by an op
+        it re-runs: once the last entry reading it returns, the entry that made it included.
+        An entry is a call the range makes or a torch call of its module's own code; the replay
+        holds what an entry returned to that code (``StorageRecord.returned_to``) and nothing
+        else. None: the replay does not hold it (an entry's own locals, freed where the
+        profile saw them freed), or the profile predates the records this needs."""
+        ops = self.profile.ops
+        op = storage.producer
+        r = self.ranges[range_call]
+        if op is None or ops[op].torch_call_end is None or not self._holds(r.parent, storage.returned_to):
+            return None
+        return max(self._entry_end(r, reader) for reader in (op, *ops[op].consumers) if reader < r.end_op)
+
+    def _holds(self, call: int, returned_to: int | None) -> bool:
+        """Whether ``call``'s own code held a tensor last handed to ``returned_to``'s: the
+        tensor went up from call to caller, so the calls that held it are ``returned_to`` and
+        those below it."""
+        while call is not None and call != returned_to:
+            call = self.profile.calls[call].parent
+        return call is not None
+
+    def _entry_end(self, r: OpRange, op: int) -> int:
+        for index in r.calls:
+            call = self.profile.calls[index]
+            if call.first_op <= op < call.end_op:
+                return call.end_op
+        return self.profile.ops[op].torch_call_end  # type: ignore[return-value]
 
     def release(self, pack_index: int) -> int:
         release = self.profile.packs[pack_index].release

@@ -388,13 +388,22 @@ class _Events:
         for sid in self.model.outputs_by_op.get(op, []):
             s = storages[sid]
             alloc = self.burst_key(call, op, 1)
+            drop = self._burst_drop(call, s)
             if (call, sid) in self.copy_free:
                 free = self.copy_free[(call, sid)]
-            elif s.free_no_autograd is not None and s.free_no_autograd < stop:
-                free = self.burst_key(call, s.free_no_autograd, 0)
+            elif drop is not None and drop < stop:
+                free = self.burst_key(call, drop, 0)
             else:
                 free = self.burst_end(call)
             self.span(alloc, free, s.bytes, sid, recomputed=True)
+
+    def _burst_drop(self, call: int, s: StorageRecord) -> int | None:
+        """Where segment ``call``'s recompute drops its copy of ``s`` (None: when it ends). A
+        call's forward drops what its Python drops; an op range's replay drops an entry's
+        output after its last reader, though the forward's Python kept it longer."""
+        python = s.free_no_autograd
+        replay = self.model.replay_drop(call, s) if call in self.model.ranges else None
+        return python if replay is None else replay if python is None else min(python, replay)
 
 
 def _events(model: SegmentModel, plan: Plan, variants: Variants = frozenset()) -> _Events:

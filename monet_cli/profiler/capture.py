@@ -21,6 +21,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.hooks import RemovableHandle
@@ -42,6 +43,8 @@ class RawStorage:
     alloc: int
     free: int | None = None
     mutated: bool = False
+    returned_to: int | None = None
+    """The call whose own code the model's forward last handed it to (``StorageRecord.returned_to``)."""
 
 
 @dataclass
@@ -60,6 +63,8 @@ class RawOp:
     workspace: int = 0
     """CUDA: allocator bytes the op took and gave back before returning."""
     unreplayable: str = ""
+    torch_call_end: int = 0
+    """One past the last op of the outermost torch function call that ran it (``_TorchCalls``)."""
 
 
 @dataclass
@@ -168,6 +173,7 @@ class StepRecorder(LiveStorageMeter):
                 signature=signature(inputs),
                 workspace=workspace,
                 unreplayable=unreplayable(args, kwargs) if self.phase == "forward" else "",
+                torch_call_end=pos + 1,
             )
         )
         self.pos = pos + 1
@@ -240,8 +246,22 @@ class StepRecorder(LiveStorageMeter):
             return
         call = self.calls[self.stack.pop()]
         call.end_op = self.pos
+        if call.parent is not None:
+            self.hand_back(output, to=call.parent, held_by=call.index)
         # A weak reference: the recorder must not keep an activation alive.
         self.returned[call.parent] = weakref.ref(output) if isinstance(output, torch.Tensor) else None
+
+    def hand_back(self, output: object, *, to: int, made_since: int | None = None, held_by: int | None = None) -> None:
+        """Call ``to``'s own code now holds the storages of ``output`` made since op
+        ``made_since`` (a torch call it made returned them) or held by call ``held_by`` (a
+        call it made returned them)."""
+        for tensor in tree_flatten(output)[0]:
+            if not isinstance(tensor, torch.Tensor) or tensor.device.type == "meta" or not self.is_tracked(tensor):
+                continue
+            storage = self.storages[self.sid_of(tensor)]
+            made_here = made_since is not None and storage.producer is not None and storage.producer >= made_since
+            if made_here or (held_by is not None and storage.returned_to == held_by):
+                storage.returned_to = to
 
     # -- autograd ---------------------------------------------------------------------
     def _pack(self, tensor: torch.Tensor) -> _Packed:
@@ -297,7 +317,7 @@ class StepRecorder(LiveStorageMeter):
             *(m.register_forward_pre_hook(self._kwargs_hook, with_kwargs=True) for m in w.model.modules()),
         ]
         try:
-            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack), self:
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack), self, _TorchCalls(self):
                 w.step(on_phase=self._on_phase)
             self.finished = True
         finally:
@@ -339,6 +359,27 @@ class StepRecorder(LiveStorageMeter):
                 storage = self.storages[sid]
                 if storage.kind == "activation" and storage.producer != op.pos:
                     storage.mutated = True
+
+
+class _TorchCalls(TorchFunctionMode):
+    """Marks the ops of each outermost torch function call with where the call ends. A range's
+    replay (``runtime/ranges.py``) repeats a module's own code call by call, so what a call
+    reads lives until the call returns, however early its ops read it."""
+
+    def __init__(self, recorder: StepRecorder) -> None:
+        super().__init__()
+        self.recorder = recorder
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        recorder = self.recorder
+        first = recorder.pos
+        # The mode is off its stack while ``func`` runs: the calls it makes reach no handler.
+        output = func(*args, **(kwargs or {}))
+        for op in recorder.ops[first:]:
+            op.torch_call_end = recorder.pos
+        if recorder.phase == "forward" and recorder.stack:
+            recorder.hand_back(output, to=recorder.stack[-1], made_since=first)
+        return output
 
 
 class LifetimeRecorder(LiveStorageMeter):

@@ -348,6 +348,7 @@ def _storage_records(
                 free=s.free,
                 free_no_autograd=free_no_autograd,
                 mutated=s.mutated,
+                returned_to=s.returned_to if s.kind == "activation" else None,
             )
         )
     return tuple(records)
@@ -387,6 +388,7 @@ def _op_records(
             consumers=tuple(consumers[op.pos]),
             workspace_bytes=op.workspace,
             unreplayable=op.unreplayable,
+            torch_call_end=op.torch_call_end,
         )
         for op in forward
     )

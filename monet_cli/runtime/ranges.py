@@ -21,8 +21,10 @@ torch calls; 81 interleaved rounds, 12-06) the tape cost 32 us an own op by torc
 against 83 op by op, over plain checkpoint of the block; its recording 5 us against 35.
 
 The tape never holds what the range makes: arguments made inside it are positions in the
-replay's own list, and each position is dropped where the forward's Python dropped that
-tensor (the simulator's rule for a recompute's transient outputs). What the range reads from
+replay's own list, and the replay drops each position once the last entry reading it has
+run, though the forward's Python may have kept it longer (a local read once, or the query,
+key and value views holding an attention's projection until the function returns):
+``SegmentModel.replay_drop`` is the simulator's rule. What the range reads from
 before it is held by the tape until the range closes; then autograd saves it, as checkpoint
 saves its arguments, through the saved-tensor hooks around the range: in an enclosing
 checkpoint frame (a nested range) that frame drops it and its recompute makes it again, and
@@ -107,7 +109,7 @@ class _Entry:
     and its casts are on the tape)."""
     is_call: bool = False
     drop: list[int] = field(default_factory=list)
-    """Positions the forward's Python dropped before this entry ran."""
+    """Positions no entry from this one on reads: the replay drops them before it runs."""
 
 
 @dataclass
@@ -118,8 +120,6 @@ class _Tape:
     """``id`` of each tensor in ``before`` -> its index, while recording (the list holds them
     then, so ids stay theirs; ``save_before`` empties their places when the range closes)."""
     positions: int = 0
-    dropped: list[int] = field(default_factory=list)
-    """Positions the forward dropped since the last entry was recorded."""
     saved: torch.Tensor | None = None
     """Once the range closed: the output of the autograd node that saved ``before[k]`` for
     each ``k`` in ``saved_at`` (those entries of ``before`` are then None)."""
@@ -138,6 +138,21 @@ class _Tape:
         self.saved_at = at
         for k in at:
             self.before[k] = None
+
+    def drop_after_last_use(self) -> None:
+        """Give each entry the positions the replay drops before running it: those no later
+        entry reads (an output nothing reads goes right after the entry that made it)."""
+        last: dict[int, int] = {}
+        for index, entry in enumerate(self.entries):
+            for position in entry.outputs:
+                if position is not None:
+                    last[position] = index
+            for leaf in entry.leaves:
+                if isinstance(leaf, _Made):
+                    last[leaf.position] = index
+        for position, index in last.items():
+            if index + 1 < len(self.entries):
+                self.entries[index + 1].drop.append(position)
 
     def unpacked_before(self) -> list[torch.Tensor | None]:
         """``before`` with the saved tensors back (in a nested range, the enclosing frame's recompute made them)."""
@@ -473,9 +488,7 @@ class RangeSegment:
             grad=grad,
             autocast=autocast,
             is_call=is_call,
-            drop=tape.dropped,
         )
-        tape.dropped = []
         tape.entries.append(entry)
         return entry
 
@@ -499,7 +512,7 @@ class RangeSegment:
             self.tape.positions += 1
             self.ids[id(leaf)] = position
             entry.outputs.append(position)
-            self.watch.append(weakref.ref(leaf, functools.partial(_dropped, self.tape, self.ids, id(leaf), position)))
+            self.watch.append(weakref.ref(leaf, functools.partial(_dropped, self.ids, id(leaf), position)))
 
     # -- the frame -----------------------------------------------------------------------
     def _open(self, args: Any) -> None:
@@ -540,6 +553,7 @@ class RangeSegment:
                 f"its own code made {self.torch_calls} torch calls where its first forward made {self.first_torch_calls}"
             )
 
+        tape.drop_after_last_use()
         frame, self.frame = self.frame, None
         close_frame(frame, self.marker)
         with self.marker:
@@ -627,9 +641,8 @@ def _restored(tensors: list[torch.Tensor]) -> Iterator[None]:
                 tensor.copy_(value)
 
 
-def _dropped(tape: _Tape, ids: dict[int, int], key: int, position: int, _ref: weakref.ref) -> None:
-    """The forward's Python dropped the tensor at ``position``: the replay drops it before the
-    entry recorded next, as the forward did."""
-    tape.dropped.append(position)
+def _dropped(ids: dict[int, int], key: int, position: int, _ref: weakref.ref) -> None:
+    """The forward's Python dropped the tensor at ``position``: its ``id`` may name another
+    tensor from now on."""
     if ids.get(key) == position:  # an in-place op's output is its input: the later position holds
         del ids[key]

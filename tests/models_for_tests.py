@@ -381,6 +381,24 @@ def range_net(
     return RangeNet(width, num_classes, extra, island, numpy)
 
 
+class KeeperNet(nn.Module):
+    """Own code that keeps a tensor on the module (``self.last``) and reads it once. Input [N, width]."""
+
+    def __init__(self, width: int = 16, num_classes: int = 5) -> None:
+        super().__init__()
+        self.up = nn.Linear(width, 4 * width)
+        self.down = nn.Linear(4 * width, width)
+        self.head = nn.Linear(width, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.last = torch.relu(self.up(x))
+        return self.head(x + self.down(self.last * 2.0))
+
+
+def keeper_net(width: int = 16, num_classes: int = 5) -> nn.Module:
+    return KeeperNet(width, num_classes)
+
+
 class NormAttentionNet(nn.Module):
     """A LayerNorm, then attention called with its output three times and a keyword (as
     torchvision's ViT calls it), returning a tuple; then a Linear, a GELU and a Linear, each

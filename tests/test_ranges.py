@@ -297,6 +297,22 @@ def test_a_range_s_replay_drops_the_attention_s_projection_when_attention_return
     assert min(a - b for a, b in zip(before, now)) == 0 and max(a - b for a, b in zip(before, now)) == projection.bytes
 
 
+def test_what_own_code_keeps_on_its_module_is_dropped_by_a_replay_after_its_last_read():
+    """The model's code keeps the ReLU's output on itself and reads it once: the forward's
+    tensor lives on, but a range's replay runs the torch calls, not the assignment, so its copy
+    goes after that read, where the simulator frees it."""
+    profile = profile_model(small_spec("tests.models_for_tests:keeper_net", shape=(16,), batch_size=8), CPU, steps=1)
+    model = SegmentModel(profile)
+    relu = next(op for op in profile.ops if op.op == "aten.relu.default")
+    kept = next(s for s in profile.storages if s.producer == relu.index)
+    assert kept.returned_to == 0 and kept.free_no_autograd is None  # the model's code; the module keeps it
+    ranges = [c for c, r in model.ranges.items() if r.first_op <= relu.index and relu.consumers[0] < r.end_op]
+    assert ranges
+    for call in ranges:
+        assert model.replay_drop(call, kept) == profile.ops[relu.consumers[0]].torch_call_end
+        _check(profile, {call: frozenset()}, exact=False)
+
+
 def test_every_range_replays_under_autocast_within_its_prediction():
     """Under bf16 autocast the casts are own ops on the tape and replay without autocast (the
     forward's float32 matmul with autocast off would otherwise be cast again): each range of
@@ -318,7 +334,9 @@ def test_every_range_replays_under_autocast_within_its_prediction():
     model = SegmentModel(profile)
     ranges = _ranges(model)
     assert len(ranges) >= 10 and any(op.op == "aten._to_copy.default" for op in profile.ops)
-    # Autocast's copies of a weight stay in its cache, held by no code: replays keep them.
+    # Of what ``up`` made only its output was handed on. Autocast's copies of its weight and
+    # bias (kept in autocast's cache) and of its input are no code's: a replay frees them where
+    # the profile saw them freed.
     up = next(c for c in profile.calls if c.fqn == "up")
     copies = [s for s in profile.storages if s.producer is not None and up.first_op <= s.producer < up.end_op]
     assert [s.returned_to for s in copies].count(None) == len(copies) - 1

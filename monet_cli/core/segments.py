@@ -357,16 +357,19 @@ class SegmentModel:
         it re-runs: once the last entry reading it returns, the entry that made it included.
         An entry is a call the range makes or a torch call of its module's own code; the replay
         holds what an entry returned to that code (``StorageRecord.returned_to``) and nothing
-        else. None: the replay does not hold it (an entry's own locals, freed where the
-        profile saw them freed), or the profile predates the records this needs."""
+        else: its own Python does not run, so what that code kept on the module is kept only
+        by the forward's tensor, and a call that keeps what it makes runs in no range
+        (``ModuleCall.checkpointable``). None: the replay does not hold it (an entry's own
+        locals, freed where the profile saw them freed), or the profile predates the records
+        this needs."""
         ops = self.profile.ops
-        op = storage.producer
+        op, holder = storage.producer, storage.returned_to
         r = self.ranges[range_call]
-        if op is None or ops[op].torch_call_end is None or not self._holds(r.parent, storage.returned_to):
+        if op is None or holder is None or ops[op].torch_call_end is None or not self._holds(r.parent, holder):
             return None
         return max(self._entry_end(r, reader) for reader in (op, *ops[op].consumers) if reader < r.end_op)
 
-    def _holds(self, call: int, returned_to: int | None) -> bool:
+    def _holds(self, call: int | None, returned_to: int) -> bool:
         """Whether ``call``'s own code held a tensor last handed to ``returned_to``'s: the
         tensor went up from call to caller, so the calls that held it are ``returned_to`` and
         those below it."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 from torch.nn import functional as F
@@ -582,6 +584,29 @@ class _HookedBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x + self.c(F.gelu(self.b(torch.tanh(self.a(x)))))
+
+
+class HiddenStatesNet(nn.Module):
+    """Three residual blocks, each called with the one before's output alone (a chain), then a
+    head. Asked as transformers' models are (``output_hidden_states=True``), the forward also
+    returns every block's output. Input [N, width]."""
+
+    def __init__(self, width: int = 16, num_classes: int = 5) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(_HookedBlock(width) for _ in range(3))
+        self.head = nn.Linear(width, num_classes)
+
+    def forward(self, x: torch.Tensor, output_hidden_states: bool = False) -> Any:
+        hidden = []
+        for block in self.blocks:
+            x = block(x)
+            hidden.append(x)
+        logits = self.head(x)
+        return (logits, tuple(hidden)) if output_hidden_states else logits
+
+
+def hidden_states_net(width: int = 16, num_classes: int = 5) -> nn.Module:
+    return HiddenStatesNet(width, num_classes)
 
 
 class HookedNet(nn.Module):

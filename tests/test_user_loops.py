@@ -12,6 +12,7 @@ import torch
 
 from monet_cli.core.profile import InputSpec
 from monet_cli.core.schedule import Schedule
+from monet_cli.core.segments import SegmentModel
 from monet_cli.errors import FingerprintError
 from monet_cli.profiler.run import profile_model
 from monet_cli.runtime import guards
@@ -97,3 +98,44 @@ def test_a_second_training_forward_before_the_first_s_backward_is_refused(schedu
     passing.model(*args)  # dropped unused: its graph is freed
     for _ in range(2):  # gradient accumulation
         passing.loss_fn(passing.model(*args)).backward()
+
+
+def test_a_forward_returning_more_than_the_profiled_output_is_refused():
+    """Asked for its hidden states, the model returns every block's output with its logits; a
+    loop holding the output keeps what a range over the blocks drops and recomputes, and the
+    step measures over its prediction. A scheduled model refuses that forward; called as it was
+    profiled, it holds the prediction."""
+    spec = resolve_model_spec(
+        "tests.models_for_tests:hidden_states_net",
+        Overrides(batch_size=128, inputs=(InputSpec(shape=(16,)),), model_kwargs={"num_classes": 64}),
+    )
+    profile = profile_model(spec, CPU, steps=1)
+    model = SegmentModel(profile)
+    blocks = next(c for c, r in model.ranges.items() if r.parent == 0 and len(r.calls) == 3)
+    schedule = plan_schedule(profile, {blocks: frozenset()}, model=model)
+    assert schedule.fingerprint.output_bytes == 128 * 64 * 4  # the logits
+
+    def loop(workload: Workload, held: list, **kwargs) -> Callable[[], None]:
+        def step() -> None:
+            args, _ = workload.call_args()
+            held[:] = [workload.model(*args, **kwargs)]
+            workload.loss_fn(held[0]).backward()
+            workload.optimizer.step()
+
+        return step
+
+    def build() -> Workload:
+        workload = build_workload(spec, CPU)
+        apply_schedule(workload.model, schedule)
+        return workload
+
+    with pytest.MonkeyPatch.context() as unchecked:
+        unchecked.setattr(guards._LoopGuard, "_check_output", lambda *_: None)
+        workload, held = build(), []
+        assert _peak(workload, loop(workload, held, output_hidden_states=True), held) > schedule.predicted.peak_bytes
+    workload, held = build(), []
+    logits_and_hidden = f"{128 * 64 * 4 + 3 * 128 * 16 * 4:,}"
+    with pytest.raises(FingerprintError, match=f"its output holds {logits_and_hidden} bytes of tensors where the"):
+        loop(workload, held, output_hidden_states=True)()
+    workload, held = build(), []
+    assert _peak(workload, loop(workload, held), held) == schedule.predicted.peak_bytes

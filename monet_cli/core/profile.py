@@ -108,6 +108,10 @@ class Fingerprint:
     """The model's forward hooks and pre-hooks when it was profiled, ``path|kind|function`` each
     (``core.fingerprint.hook_line``; None in files made before it). The profile measured what
     these keep and rehearsed them in recomputes: a schedule refuses a model with others."""
+    output_bytes: int | None = None
+    """Bytes of the tensor storages a training forward returned: a loop holding the output
+    (``outputs = model(batch)``) holds them, and the profile's step did. None in files made
+    before it was recorded."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import replace
 
 import torch
+from torch.utils._pytree import tree_flatten
 
 from monet_cli import __version__
 from monet_cli.core.fingerprint import model_ops, shapes_hash, structure_hash
@@ -43,7 +44,7 @@ from monet_cli.profiler.rehearse import Rehearsal
 from monet_cli.profiler.transfer import measure_transfer
 from monet_cli.profiler.variants import measure_variants
 from monet_cli.runtime.fingerprint import forward_fingerprint, model_hooks, model_modules_hash, warn_if_untested_torch
-from monet_cli.runtime.guards import refuse_existing_checkpointing
+from monet_cli.runtime.guards import output_bytes, refuse_existing_checkpointing
 from monet_cli.runtime.host_memory import keep_freed_host_memory
 from monet_cli.runtime.meter import alloc_conf, measure_peak
 from monet_cli.runtime.sharing import others_busy_since, read_cpu_times, warn_if_shared
@@ -288,6 +289,7 @@ def build_profile(
             precision=workload.spec.precision,
             modules=model_modules_hash(workload.model),
             hooks=model_hooks(workload.model),
+            output_bytes=output_bytes(tree_flatten(workload.output)[0]),
         ),
         baseline=Baseline(
             peak_bytes=peak_bytes,

@@ -8,7 +8,9 @@ first, so each check runs on every training forward and refuses with one line (e
 - checkpointing switched on (trainers switch it on after the model is built);
 - a padded batch, where the profile's was not;
 - a forward hook the profile did not see, registered before or after the first step;
-- a second training forward while the previous one still waits for its backward.
+- a second training forward while the previous one still waits for its backward;
+- an output holding more tensor bytes than the profiled forward's (hidden states or attention
+  weights asked for): a loop holding it keeps tensors a schedule drops.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ def install_guards(model: nn.Module, schedule: Schedule, *, check_hooks: bool) -
     if _profiled_unpadded(schedule):
         model.register_forward_pre_hook(_refuse_padded_batches, with_kwargs=True)
     # A profile made before hooks were listed has None: no hook check.
-    _LoopGuard(schedule.fingerprint.hooks if check_hooks else None).install(model)
+    _LoopGuard(schedule.fingerprint.hooks if check_hooks else None, schedule.fingerprint.output_bytes).install(model)
 
 
 def _training(model: nn.Module) -> bool:
@@ -108,8 +110,10 @@ class _LoopGuard:
     profile measured one forward's. A forward whose output is dropped unused frees its graph
     and passes, as does gradient accumulation (a backward after each forward)."""
 
-    def __init__(self, profiled_hooks: tuple[str, ...] | None) -> None:
+    def __init__(self, profiled_hooks: tuple[str, ...] | None, profiled_output_bytes: int | None) -> None:
         self.profiled_hooks = profiled_hooks
+        self.profiled_output_bytes = profiled_output_bytes
+        """None (a profile made before it was recorded): no check."""
         self.hooks_seen_at: int | None = None
         """``RemovableHandle.next_id`` when the model's hooks last matched the profile's. Every
         hook registered anywhere takes the next id, so while it stands no hook is new and the
@@ -140,7 +144,9 @@ class _LoopGuard:
         if not _training(model):
             return
         before = RemovableHandle.next_id
-        nodes = {id(t.grad_fn): t.grad_fn for t in tree_flatten(output)[0] if _has_graph(t)}
+        leaves = tree_flatten(output)[0]
+        self._check_output(leaves)
+        nodes = {id(t.grad_fn): t.grad_fn for t in leaves if _has_graph(t)}
         marker = _Waiting()
         for node in nodes.values():
             node.metadata[_Waiting] = marker
@@ -149,8 +155,28 @@ class _LoopGuard:
         if self.hooks_seen_at == before:  # the handles just taken are the guard's own, no new hook
             self.hooks_seen_at = RemovableHandle.next_id
 
+    def _check_output(self, leaves: list[Any]) -> None:
+        held = output_bytes(leaves)
+        if self.profiled_output_bytes is not None and held > self.profiled_output_bytes:
+            raise FingerprintError(
+                f"schedule does not match this training forward: its output holds {held:,} bytes of tensors where "
+                f"the profiled forward's held {self.profiled_output_bytes:,} (hidden states or attention weights "
+                "asked for, a larger batch?), and a loop holding the output keeps what the schedule frees: "
+                "drop output_hidden_states/output_attentions, or profile the model called the same way"
+            )
+
     def _reached(self, grad_outputs: Any) -> None:
         self.waiting = None
+
+
+def output_bytes(leaves: list[Any]) -> int:
+    """Bytes of the distinct storages of the tensors among a forward's flattened output."""
+    storages = {}
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor) and leaf.device.type != "meta":
+            storage = leaf.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
 
 
 def _has_graph(value: Any) -> bool:

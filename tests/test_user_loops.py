@@ -130,7 +130,7 @@ def test_a_forward_returning_more_than_the_profiled_output_is_refused():
         return workload
 
     with pytest.MonkeyPatch.context() as unchecked:
-        unchecked.setattr(guards._LoopGuard, "_check_output", lambda *_: None)
+        unchecked.setattr("monet_cli.runtime.executor.install_output_check", lambda *_: None)
         workload, held = build(), []
         assert _peak(workload, loop(workload, held, output_hidden_states=True), held) > schedule.predicted.peak_bytes
     workload, held = build(), []

@@ -427,6 +427,7 @@ OMITTED_WHEN_DEFAULT = frozenset(
         "ModuleCall.hooks_reason",
         "BackwardOp.workspace_bytes",
         "Fingerprint.hooks",
+        "Fingerprint.output_bytes",
         "Profile.transfer",
         "DeviceInfo.alloc_conf",
     }

@@ -270,11 +270,12 @@ OMITTED_WHEN_DEFAULT = frozenset(
         "SegmentDecision.own_ops",
         "Predicted.alloc_conf",
         "Fingerprint.hooks",
+        "Fingerprint.output_bytes",
     }
 )
 """An op range's fields (the lines of other segments leave them out of the file), the CUDA
-allocator settings (CPU schedules and PyTorch's defaults leave them out) and the hooks of a
-profile made before they were recorded."""
+allocator settings (CPU schedules and PyTorch's defaults leave them out) and the hooks and
+output bytes of a profile made before they were recorded."""
 
 # Optional keys added after the hash's payload was fixed: they enter it only when set, so
 # schedules written before them keep their hash.

@@ -36,7 +36,7 @@ from monet_cli.core.schedule import Schedule, load_schedule
 from monet_cli.errors import FingerprintError
 from monet_cli.runtime.fingerprint import FirstForwardCheck, warn_if_untested_torch
 from monet_cli.runtime.frames import abandon_frame, close_frame, open_frame
-from monet_cli.runtime.guards import install_guards, refuse_existing_checkpointing
+from monet_cli.runtime.guards import install_guards, install_output_check, refuse_existing_checkpointing
 from monet_cli.runtime.meter import MachineryMarker, alloc_conf
 from monet_cli.runtime.offload import install_offloads
 from monet_cli.runtime.ranges import RangeSegment
@@ -88,6 +88,7 @@ def apply_schedule(model: nn.Module, schedule: Schedule | str | Path, *, check_f
     install_offloads([_module(modules, o.module) for o in schedule.offloads], schedule.offloads, marker)
     if check_fingerprint:
         FirstForwardCheck(model, schedule.fingerprint, marker).install()
+    install_output_check(model, schedule)
     setattr(model, _APPLIED, schedule)
     setattr(model, _MACHINERY, marker)
     return model

@@ -15,6 +15,7 @@ first, so each check runs on every training forward and refuses with one line (e
 
 from __future__ import annotations
 
+import functools
 import weakref
 from typing import Any
 
@@ -34,7 +35,28 @@ def install_guards(model: nn.Module, schedule: Schedule, *, check_hooks: bool) -
     if _profiled_unpadded(schedule):
         model.register_forward_pre_hook(_refuse_padded_batches, with_kwargs=True)
     # A profile made before hooks were listed has None: no hook check.
-    _LoopGuard(schedule.fingerprint.hooks if check_hooks else None, schedule.fingerprint.output_bytes).install(model)
+    _LoopGuard(schedule.fingerprint.hooks if check_hooks else None).install(model)
+
+
+def install_output_check(model: nn.Module, schedule: Schedule) -> None:
+    """Refuse a training forward whose output holds more tensor bytes than the profiled one's.
+    Registered after the first forward's fingerprint check, whose reason (another batch shape,
+    other ops) says more; a profile made before the output's bytes were recorded: no check."""
+    if schedule.fingerprint.output_bytes is not None:
+        model.register_forward_hook(functools.partial(_check_output, schedule.fingerprint.output_bytes))
+
+
+def _check_output(profiled: int, model: nn.Module, args: Any, output: Any) -> None:
+    if not _training(model):
+        return
+    held = output_bytes(tree_flatten(output)[0])
+    if held > profiled:
+        raise FingerprintError(
+            f"schedule does not match this training forward: its output holds {held:,} bytes of tensors where "
+            f"the profiled forward's held {profiled:,} (hidden states or attention weights asked for, a larger "
+            "batch?), and a loop holding the output keeps what the schedule frees: drop "
+            "output_hidden_states/output_attentions, or profile the model called the same way"
+        )
 
 
 def _training(model: nn.Module) -> bool:
@@ -110,10 +132,8 @@ class _LoopGuard:
     profile measured one forward's. A forward whose output is dropped unused frees its graph
     and passes, as does gradient accumulation (a backward after each forward)."""
 
-    def __init__(self, profiled_hooks: tuple[str, ...] | None, profiled_output_bytes: int | None) -> None:
+    def __init__(self, profiled_hooks: tuple[str, ...] | None) -> None:
         self.profiled_hooks = profiled_hooks
-        self.profiled_output_bytes = profiled_output_bytes
-        """None (a profile made before it was recorded): no check."""
         self.hooks_seen_at: int | None = None
         """``RemovableHandle.next_id`` when the model's hooks last matched the profile's. Every
         hook registered anywhere takes the next id, so while it stands no hook is new and the
@@ -144,9 +164,7 @@ class _LoopGuard:
         if not _training(model):
             return
         before = RemovableHandle.next_id
-        leaves = tree_flatten(output)[0]
-        self._check_output(leaves)
-        nodes = {id(t.grad_fn): t.grad_fn for t in leaves if _has_graph(t)}
+        nodes = {id(t.grad_fn): t.grad_fn for t in tree_flatten(output)[0] if _has_graph(t)}
         marker = _Waiting()
         for node in nodes.values():
             node.metadata[_Waiting] = marker
@@ -154,16 +172,6 @@ class _LoopGuard:
         self.waiting = weakref.ref(marker) if nodes else None
         if self.hooks_seen_at == before:  # the handles just taken are the guard's own, no new hook
             self.hooks_seen_at = RemovableHandle.next_id
-
-    def _check_output(self, leaves: list[Any]) -> None:
-        held = output_bytes(leaves)
-        if self.profiled_output_bytes is not None and held > self.profiled_output_bytes:
-            raise FingerprintError(
-                f"schedule does not match this training forward: its output holds {held:,} bytes of tensors where "
-                f"the profiled forward's held {self.profiled_output_bytes:,} (hidden states or attention weights "
-                "asked for, a larger batch?), and a loop holding the output keeps what the schedule frees: "
-                "drop output_hidden_states/output_attentions, or profile the model called the same way"
-            )
 
     def _reached(self, grad_outputs: Any) -> None:
         self.waiting = None

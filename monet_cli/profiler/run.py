@@ -13,7 +13,6 @@ from collections.abc import Callable
 from dataclasses import replace
 
 import torch
-from torch.utils._pytree import tree_flatten
 
 from monet_cli import __version__
 from monet_cli.core.fingerprint import model_ops, shapes_hash, structure_hash
@@ -289,7 +288,7 @@ def build_profile(
             precision=workload.spec.precision,
             modules=model_modules_hash(workload.model),
             hooks=model_hooks(workload.model),
-            output_bytes=output_bytes(tree_flatten(workload.output)[0]),
+            output_bytes=output_bytes(workload.output),
         ),
         baseline=Baseline(
             peak_bytes=peak_bytes,

@@ -27,6 +27,7 @@ from torch.utils.hooks import RemovableHandle
 from monet_cli.core.schedule import Schedule
 from monet_cli.errors import CheckpointConflictError, FingerprintError
 from monet_cli.runtime.fingerprint import hooks_problem
+from monet_cli.runtime.meter import storage_key
 
 
 def install_guards(model: nn.Module, schedule: Schedule, *, check_hooks: bool) -> None:
@@ -49,7 +50,7 @@ def install_output_check(model: nn.Module, schedule: Schedule) -> None:
 def _check_output(profiled: int, model: nn.Module, args: Any, output: Any) -> None:
     if not _training(model):
         return
-    held = output_bytes(tree_flatten(output)[0])
+    held = output_bytes(output)
     if held > profiled:
         raise FingerprintError(
             f"schedule does not match this training forward: its output holds {held:,} bytes of tensors where "
@@ -177,13 +178,13 @@ class _LoopGuard:
         self.waiting = None
 
 
-def output_bytes(leaves: list[Any]) -> int:
-    """Bytes of the distinct storages of the tensors among a forward's flattened output."""
-    storages = {}
-    for leaf in leaves:
-        if isinstance(leaf, torch.Tensor) and leaf.device.type != "meta":
-            storage = leaf.untyped_storage()
-            storages[storage.data_ptr()] = storage.nbytes()
+def output_bytes(output: Any) -> int:
+    """Bytes of the distinct storages of the tensors in a forward's output."""
+    storages = {
+        storage_key(leaf): leaf.untyped_storage().nbytes()
+        for leaf in tree_flatten(output)[0]
+        if isinstance(leaf, torch.Tensor) and leaf.device.type != "meta"
+    }
     return sum(storages.values())
 
 

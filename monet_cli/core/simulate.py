@@ -403,7 +403,9 @@ class _Events:
         output after its last reader, though the forward's Python kept it longer."""
         python = s.free_no_autograd
         replay = self.model.replay_drop(call, s) if call in self.model.ranges else None
-        return python if replay is None else replay if python is None else min(python, replay)
+        if replay is None or python is None:
+            return python if replay is None else replay
+        return min(python, replay)
 
 
 def _events(model: SegmentModel, plan: Plan, variants: Variants = frozenset()) -> _Events:

@@ -21,7 +21,8 @@ def apply(model: nn.Module, schedule: Schedule | str | Path, *, check_fingerprin
     when the schedule was made for another model, batch size, device type or torch. Every
     training forward raises it when the model has forward hooks its profile did not see
     (register them in the model's factory), when the batch pads where the profile's did
-    not, and when the previous training forward still waits for its backward.
+    not, when the previous training forward still waits for its backward, and when its
+    output holds more tensor bytes than the profiled forward's (hidden states asked for).
     ``check_fingerprint=False`` skips the fingerprint and hook checks.
     """
     from monet_cli.runtime.executor import apply_schedule

@@ -4,13 +4,15 @@ backward). The hooks a loop registers: ``test_rehearse.py``."""
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
 
-from monet_cli.core.profile import InputSpec
+from monet_cli.core.profile import InputSpec, ModelSpec
 from monet_cli.core.schedule import Schedule
 from monet_cli.core.segments import SegmentModel
 from monet_cli.errors import FingerprintError
@@ -36,13 +38,27 @@ def scheduled() -> tuple[Callable[[], Workload], Schedule]:
     profile = profile_model(spec, CPU, steps=1)
     block = next(c.index for c in profile.calls if c.fqn == "blocks.0")
     schedule = plan_schedule(profile, {block: frozenset()})
+    return functools.partial(_scheduled, spec, schedule), schedule
 
-    def build() -> Workload:
-        workload = build_workload(spec, CPU)
-        apply_schedule(workload.model, schedule)
-        return workload
 
-    return build, schedule
+def _scheduled(spec: ModelSpec, schedule: Schedule) -> Workload:
+    """A fresh workload of ``spec`` with ``schedule`` applied."""
+    workload = build_workload(spec, CPU)
+    apply_schedule(workload.model, schedule)
+    return workload
+
+
+def _holding_loop(workload: Workload, held: list, **kwargs: Any) -> Callable[[], None]:
+    """A step as ``outputs = model(x, **kwargs)`` writes it: the output held in ``held``
+    through backward and the optimizer step, until the next forward returns."""
+
+    def step() -> None:
+        args, _ = workload.call_args()
+        held[:] = [workload.model(*args, **kwargs)]  # the previous output dies once the forward returns
+        workload.loss_fn(held[0]).backward()
+        workload.optimizer.step()
+
+    return step
 
 
 def _peak(workload: Workload, step: Callable[[], None], held: list[torch.Tensor]) -> int:
@@ -60,14 +76,7 @@ def test_a_loop_holding_its_output_peaks_at_the_prediction(scheduled):
     build, schedule = scheduled
     workload = build()
     held: list[torch.Tensor] = []
-
-    def step() -> None:
-        args, _ = workload.call_args()
-        held[:] = [workload.model(*args)]  # the previous output dies once the forward returns
-        workload.loss_fn(held[0]).backward()
-        workload.optimizer.step()
-
-    assert _peak(workload, step, held) == schedule.predicted.peak_bytes
+    assert _peak(workload, _holding_loop(workload, held), held) == schedule.predicted.peak_bytes
 
 
 def test_a_second_training_forward_before_the_first_s_backward_is_refused(scheduled, monkeypatch):
@@ -114,28 +123,17 @@ def test_a_forward_returning_more_than_the_profiled_output_is_refused():
     blocks = next(c for c, r in model.ranges.items() if r.parent == 0 and len(r.calls) == 3)
     schedule = plan_schedule(profile, {blocks: frozenset()}, model=model)
     assert schedule.fingerprint.output_bytes == 128 * 64 * 4  # the logits
-
-    def loop(workload: Workload, held: list, **kwargs) -> Callable[[], None]:
-        def step() -> None:
-            args, _ = workload.call_args()
-            held[:] = [workload.model(*args, **kwargs)]
-            workload.loss_fn(held[0]).backward()
-            workload.optimizer.step()
-
-        return step
-
-    def build() -> Workload:
-        workload = build_workload(spec, CPU)
-        apply_schedule(workload.model, schedule)
-        return workload
-
+    build = functools.partial(_scheduled, spec, schedule)
     with pytest.MonkeyPatch.context() as unchecked:
         unchecked.setattr("monet_cli.runtime.executor.install_output_check", lambda *_: None)
         workload, held = build(), []
-        assert _peak(workload, loop(workload, held, output_hidden_states=True), held) > schedule.predicted.peak_bytes
+        assert (
+            _peak(workload, _holding_loop(workload, held, output_hidden_states=True), held)
+            > schedule.predicted.peak_bytes
+        )
     workload, held = build(), []
     logits_and_hidden = f"{128 * 64 * 4 + 3 * 128 * 16 * 4:,}"
     with pytest.raises(FingerprintError, match=f"its output holds {logits_and_hidden} bytes of tensors where the"):
-        loop(workload, held, output_hidden_states=True)()
+        _holding_loop(workload, held, output_hidden_states=True)()
     workload, held = build(), []
-    assert _peak(workload, loop(workload, held), held) == schedule.predicted.peak_bytes
+    assert _peak(workload, _holding_loop(workload, held), held) == schedule.predicted.peak_bytes

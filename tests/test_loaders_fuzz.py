@@ -10,9 +10,9 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from monet_cli.core.codec import to_data
+from monet_cli.core.codec import from_data, to_data
 from monet_cli.core.plan import build_schedule
-from monet_cli.core.profile import load_profile, profile_from_data, save_profile
+from monet_cli.core.profile import ModuleCall, load_profile, profile_from_data, save_profile
 from monet_cli.core.schedule import SolverInfo, load_schedule, save_schedule, schedule_from_data
 from monet_cli.core.segments import SegmentModel
 from monet_cli.core.solver.heuristics import level_plans
@@ -153,3 +153,10 @@ def test_yaml_that_is_not_a_mapping(tmp_path: Path):
     path.write_text(yaml.safe_dump([1, 2, 3]))
     with pytest.raises(FileFormatError, match="expected a YAML mapping"):
         load_profile(path)
+
+
+def test_an_unknown_key_with_a_newline_is_named_on_one_line():
+    """Found by ``test_mutated_files``: a key from the file went into the message as it was."""
+    with pytest.raises(FileFormatError) as raised:
+        from_data(ModuleCall, {"\n": 0}, source="fuzz.yaml")
+    assert str(raised.value) == "fuzz.yaml: '\\n': unknown key (written by a newer monet?)"

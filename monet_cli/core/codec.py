@@ -148,7 +148,11 @@ class _Reader:
         fields = {f.name: f for f in dataclasses.fields(cls)}
         unknown = [k for k in data if k not in fields]
         if unknown:
-            raise self.fail(_join(path, str(unknown[0])), "unknown key (written by a newer monet?)")
+            key = str(unknown[0])
+            # The key comes from the file: a newline in it would break the error's one line.
+            raise self.fail(
+                _join(path, key if key.isprintable() else _short(key)), "unknown key (written by a newer monet?)"
+            )
         values = {}
         for name, field in fields.items():
             sub = _join(path, name)

@@ -35,6 +35,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/scale.py
 	$(BIN)/python bench/reach.py
 	$(BIN)/python bench/time_gap.py
+	$(BIN)/python bench/profile_spread.py
 	$(BIN)/python bench/variants.py
 	$(BIN)/python bench/report.py
 	$(BIN)/python bench/real_models.py

@@ -331,6 +331,7 @@ def render(
     img_dir: Path,
     variants: list[dict[str, Any]] = (),
     time_gap: dict[str, Any] | None = None,
+    profile_spread: dict[str, Any] | None = None,
 ) -> str:
     out = [
         "# Benchmarks",
@@ -380,6 +381,7 @@ def render(
             "",
             "Measured context:",
             "",
+            *spread_line(profile_spread, result["workload"]),
             *analysis(result),
             "",
         ]
@@ -393,6 +395,8 @@ def render(
         out += ["## Reach: the smallest peak per decision family", "", reach_table(reach), ""]
     if time_gap is not None:
         out += ["## Where a checkpointed step's added time goes", "", time_gap_table(time_gap), ""]
+    if profile_spread is not None:
+        out += ["## How far a prediction moves with the profile", "", profile_spread_table(profile_spread), ""]
     if variants:
         out += [
             "## Operator variants against checkpointing alone",
@@ -668,6 +672,63 @@ def time_gap_table(gap: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def spread_line(spread_result: dict[str, Any] | None, workload: str) -> list[str]:
+    """How far fresh profiles moved the predictions of ``workload``'s plans (``bench/profile_spread.py``):
+    what one profile's prediction, which the time model's target is judged on, can move by before any
+    error of the model."""
+    rows = [row for row in (spread_result or {"rows": []})["rows"] if row["workload"] == workload]
+    if not rows:
+        return []
+    (row,) = rows
+    moved = {point["budget"]: [100 * p["overhead"] for p in point["predicted"]] for point in row["points"]}
+    budget, widest = max(moved.items(), key=lambda item: max(item[1]) - min(item[1]))
+    return [
+        f"- the same plans predicted by {len(row['profiles'])} fresh profiles (`bench/profile_spread.py`, "
+        f"{row['created_at']}, below): one plan's predictions spread over up to {max(widest) - min(widest):.1f} "
+        f"points ({budget}: {min(widest):+.1f}% to {max(widest):+.1f}%)"
+    ]
+
+
+def profile_spread_table(spread_result: dict[str, Any]) -> str:
+    """``bench/profile_spread.py``: the same schedules predicted by several fresh profiles, against one measurement."""
+    lines = [
+        "`bench/profile_spread.py`: fresh profiles in a row, half before and half after one measurement; the",
+        "schedules solved on the first (budgets below its smallest peak left out), timed interleaved with the",
+        f"unmodified step (overhead: median of the per-repeat ratios, {CONFIDENCE:.0%} interval), and predicted by",
+        "every profile. The parts are each prediction's added time, in % of its profile's step, at the smallest",
+        'and largest among the profiles: "walls" the recomputes at the calls\' wall times, the others the',
+        "machinery's prices (`docs/time-model.md`).",
+        "",
+        "| workload | budget | segments | measured | predicted, per profile | measured - predicted | parts, low to high |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for row in spread_result["rows"]:
+        steps = [p["step_ms"] for p in row["profiles"]]
+        for point in row["points"]:
+            measured, (low, high) = point["measured_overhead"], point["interval"]
+            predictions = [p["overhead"] for p in point["predicted"]]
+            misses = [100 * (measured - p) for p in predictions]
+            parts = {
+                part: [100 * p["parts_ms"][part] / step for p, step in zip(point["predicted"], steps)]
+                for part in point["predicted"][0]["parts_ms"]
+            }
+            lines.append(
+                f"| {row['workload']} | {point['budget']} | {point['segments']} | {pct(measured)} ({pct(low)} to "
+                f"{pct(high)}) | {', '.join(pct(p) for p in predictions)} | {min(misses):+.1f} to {max(misses):+.1f} "
+                f"points | {'; '.join(f'{part} {min(v):.1f} to {max(v):.1f}' for part, v in parts.items() if max(v) >= 0.05)} |"
+            )
+    for row in spread_result["rows"]:
+        steps_ms = ", ".join(f"{p['step_ms']:.1f}" for p in row["profiles"])
+        took_s = ", ".join(f"{p['took_s']:.0f}" for p in row["profiles"])
+        lines += [
+            "",
+            f"{row['workload']} (finished {row['created_at']}): unmodified step {row['unmodified_step_ms']:.1f} ms "
+            f"in the measurement ({row['repeats']} repeats); the profiles' steps {steps_ms} ms, in the order "
+            f"they ran, taking {took_s} s.",
+        ]
+    return "\n".join(lines)
+
+
 def faults(phases: dict[str, float]) -> str:
     return f"{phases['faults']:,.0f}" if "faults" in phases else "-"
 
@@ -740,8 +801,10 @@ def main() -> int:
     reach = json.loads(reach_path.read_text()) if reach_path.exists() else None
     time_gap_path = results_dir / "time-gap-cpu.json"
     time_gap = json.loads(time_gap_path.read_text()) if time_gap_path.exists() else None
+    spread_path = results_dir / "profile-spread-cpu.json"
+    profile_spread = json.loads(spread_path.read_text()) if spread_path.exists() else None
     docs = ROOT / "docs"
-    text = render(results, quality, scale, reach, docs / "img", variants, time_gap)
+    text = render(results, quality, scale, reach, docs / "img", variants, time_gap, profile_spread)
     (docs / "benchmarks.md").write_text(text)
     print(f"wrote {docs / 'benchmarks.md'} ({len(results)} workloads)")
     return 0

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.report import render
+from bench.report import pct, render
 from bench.run import main
 from monet_cli.core.units import format_bytes
 
@@ -197,3 +197,52 @@ def test_the_variants_curve_has_a_point_at_3x_less_activation_memory():
         ("min", 250),
     ]
     assert budgets(1000, 130, 450)[-2:] == [("50%", 500), ("min", 450)]
+
+
+def test_a_prediction_s_parts_add_up_to_its_added_time(tmp_path: Path):
+    """``bench/profile_spread.py`` splits a prediction's added time into the recomputes at the
+    calls' wall times and one part per family of machinery prices. The parts make the whole,
+    so no price the profile holds is left out of the table (a new one must join a part), and
+    the report renders each point with its profiles' range."""
+    from bench.profile_spread import prediction
+    from bench.report import profile_spread_table, spread_line
+    from monet_cli.core.plan import solve_schedule
+    from monet_cli.core.profile import load_profile
+    from monet_cli.core.segments import SegmentModel
+    from monet_cli.core.solver.search import Planner
+
+    profile = load_profile(Path("configs/gpt.profile.yaml"))
+    planner = Planner(SegmentModel(profile))
+    schedule, _ = solve_schedule(
+        planner, profile.baseline.peak_bytes * 2 // 5, "40%", time_limit_s=20, workers=1, seed=0, relative_gap=0.01
+    )
+    assert schedule is not None
+    predicted = prediction(profile, schedule)
+    parts = predicted["parts_ms"]
+    assert sum(parts.values()) == pytest.approx(predicted["added_ms"], abs=0.01)
+    assert predicted["overhead"] == schedule.predicted.overhead
+    assert parts["walls"] > 0 and parts["frames"] > 0 and parts["range tape"] > 0  # the plan holds op ranges
+    slower = {**predicted, "overhead": predicted["overhead"] + 0.05}
+    row = {
+        "workload": "gpt",
+        "repeats": 3,
+        "unmodified_step_ms": profile.baseline.step_ms,
+        "created_at": "now",
+        "profiles": [{"step_ms": profile.baseline.step_ms, "took_s": 40.0}] * 2,
+        "points": [
+            {
+                "budget": "40%",
+                "segments": len(schedule.segments),
+                "measured_overhead": predicted["overhead"] + 0.01,
+                "interval": [predicted["overhead"], predicted["overhead"] + 0.02],
+                "predicted": [predicted, slower],
+            }
+        ],
+    }
+    text = profile_spread_table({"rows": [row]})
+    assert f"| gpt | 40% | {len(schedule.segments)} | {pct(predicted['overhead'] + 0.01)} (" in text
+    assert "| -4.0 to +1.0 points |" in text and "range tape" in text
+    (line,) = spread_line({"rows": [row]}, "gpt")
+    low = 100 * predicted["overhead"]
+    assert line.endswith(f"spread over up to 5.0 points (40%: {low:+.1f}% to {low + 5:+.1f}%)")
+    assert spread_line({"rows": [row]}, "unet") == [] and spread_line(None, "gpt") == []

@@ -105,6 +105,7 @@ def prediction(profile: Profile, schedule: Schedule) -> dict[str, Any]:
 def run_workload(name: str, *, profiles: int, repeats: int, time_limit: float, workers: int) -> dict[str, Any]:
     w = WORKLOADS[name]
     spec = resolve_model_spec(w.model, w.overrides, configs_dir=ROOT / "configs")
+    took_s: dict[int, float] = {}
 
     def profiled(k: int) -> Profile:
         log(f"{name}: profile {k + 1} of {profiles}")
@@ -113,7 +114,6 @@ def run_workload(name: str, *, profiles: int, repeats: int, time_limit: float, w
         took_s[k] = time.perf_counter() - start
         return profile
 
-    took_s: dict[int, float] = {}
     before = [profiled(k) for k in range((profiles + 1) // 2)]
     schedules = _schedules(before[0], time_limit, workers)
     methods = [M.baseline(spec, CPU)] + [M.monet(spec, CPU, s, {}) for s in schedules.values()]

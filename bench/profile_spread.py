@@ -7,9 +7,9 @@ model's or that profile's. This bench tells them apart. Per workload: ``--profil
 profiles, half before and half after the measurement; schedules solved on the first (at 60%,
 50% and 40% of the baseline peak where a schedule reaches it, and at the smallest peak); the
 unmodified step and each schedule timed interleaved in rotating order; then each schedule's
-plan is predicted by every profile, with its added time split into the parts the time model
-prices. Results go to
-bench/results/profile-spread-cpu.json; ``bench/report.py`` renders them.
+plan and operator variants are predicted by every profile, with its added time split into the
+parts the time model prices. Results go to bench/results/profile-spread-cpu.json;
+``bench/report.py`` renders them.
 
     python bench/profile_spread.py
     python bench/profile_spread.py --workloads gpt --profiles 6 --repeats 101
@@ -34,7 +34,7 @@ if str(ROOT) not in sys.path:
 from bench import methods as M  # noqa: E402
 from bench.pairing import median_interval, paired_overhead, paired_ratios  # noqa: E402
 from bench.run import WORKLOADS, log, measure_eager, write_rows  # noqa: E402
-from monet_cli.core.plan import plan_of, predicted, solve_schedule  # noqa: E402
+from monet_cli.core.plan import plan_of, predicted, solve_schedule, variants_of  # noqa: E402
 from monet_cli.core.profile import Overheads, Profile  # noqa: E402
 from monet_cli.core.schedule import Schedule  # noqa: E402
 from monet_cli.core.segments import SegmentModel  # noqa: E402
@@ -80,19 +80,22 @@ def _without(overheads: Overheads, names: tuple[str, ...]) -> Overheads:
 
 
 def prediction(profile: Profile, schedule: Schedule) -> dict[str, Any]:
-    """``schedule``'s plan as ``profile`` predicts it: the overhead, and its added time in parts
-    (ms): the recomputes at the calls' walls (every machinery price at 0), and each machinery
-    part (the added time less the same with that part's prices at 0)."""
+    """``schedule``'s plan and operator variants as ``profile`` predicts them: the overhead, and
+    its added time in parts (ms): the recomputes at the calls' walls (every machinery price at 0,
+    no variant), the variants' own time, and each machinery part (the added time less the same
+    with that part's prices at 0)."""
+    chosen = variants_of(schedule, profile)
 
-    def added_ms(overheads: Overheads) -> float:
+    def added_ms(overheads: Overheads, variants: frozenset[int] = chosen) -> float:
         priced = replace(profile, overheads=overheads)
         model = SegmentModel(priced)
-        return simulate(priced, plan_of(schedule, model), model=model).added_ms
+        return simulate(priced, plan_of(schedule, model), model=model, variants=variants).added_ms
 
     model = SegmentModel(profile)
-    result = simulate(profile, plan_of(schedule, model), model=model)
-    every_price = tuple(f.name for f in fields(Overheads))
-    parts = {"walls": added_ms(_without(profile.overheads, every_price))}
+    result = simulate(profile, plan_of(schedule, model), model=model, variants=chosen)
+    unpriced = _without(profile.overheads, tuple(f.name for f in fields(Overheads)))
+    parts = {"walls": added_ms(unpriced, frozenset())}
+    parts["operator variants"] = added_ms(unpriced) - parts["walls"]
     for part, names in PARTS.items():
         parts[part] = result.added_ms - added_ms(_without(profile.overheads, names))
     return {

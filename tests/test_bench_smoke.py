@@ -199,29 +199,47 @@ def test_the_variants_curve_has_a_point_at_3x_less_activation_memory():
     assert budgets(1000, 130, 450)[-2:] == [("50%", 500), ("min", 450)]
 
 
-def test_a_prediction_s_parts_add_up_to_its_added_time():
-    """``bench/profile_spread.py`` splits a prediction's added time into the recomputes at the
-    calls' wall times and one part per family of machinery prices. The parts make the whole,
-    so no price the profile holds is left out of the table (a new one must join a part), and
-    the report renders each point with its profiles' range."""
-    from bench.profile_spread import prediction
-    from bench.report import profile_spread_table, spread_line
+def _solved(name: str, percent: int):
+    """The shipped ``name`` profile and its schedule at ``percent`` of the baseline peak."""
     from monet_cli.core.plan import solve_schedule
     from monet_cli.core.profile import load_profile
     from monet_cli.core.segments import SegmentModel
     from monet_cli.core.solver.search import Planner
 
-    profile = load_profile(Path("configs/gpt.profile.yaml"))
-    planner = Planner(SegmentModel(profile))
+    profile = load_profile(Path(f"configs/{name}.profile.yaml"))
+    budget = profile.baseline.peak_bytes * percent // 100
     schedule, _ = solve_schedule(
-        planner, profile.baseline.peak_bytes * 2 // 5, "40%", time_limit_s=20, workers=1, seed=0, relative_gap=0.01
+        Planner(SegmentModel(profile)), budget, f"{percent}%", time_limit_s=20, workers=1, seed=0, relative_gap=0.01
     )
     assert schedule is not None
+    return profile, schedule
+
+
+@pytest.mark.parametrize(("name", "percent", "part"), [("gpt", 40, "range tape"), ("unet", 90, "operator variants")])
+def test_a_prediction_s_parts_add_up_to_its_added_time(name: str, percent: int, part: str):
+    """``bench/profile_spread.py`` predicts a schedule as ``monet solve`` did, operator variants
+    included, and splits the added time into the recomputes at the calls' wall times, the
+    variants' own time and one part per family of machinery prices. The parts make the whole,
+    so no price the profile holds is left out of the table (a new one must join a part). The
+    gpt plan holds op ranges, the unet's operator variants."""
+    from bench.profile_spread import prediction
+
+    profile, schedule = _solved(name, percent)
     predicted = prediction(profile, schedule)
     parts = predicted["parts_ms"]
-    assert sum(parts.values()) == pytest.approx(predicted["added_ms"], abs=0.01)
     assert predicted["overhead"] == schedule.predicted.overhead
-    assert parts["walls"] > 0 and parts["frames"] > 0 and parts["range tape"] > 0  # the plan holds op ranges
+    assert sum(parts.values()) == pytest.approx(predicted["added_ms"], abs=0.01)
+    assert parts[part] > 0
+
+
+def test_the_report_gives_each_plan_s_predictions_across_profiles():
+    """The spread table shows each point's measured overhead, every profile's prediction and
+    the range of their misses; each workload's context names its widest spread."""
+    from bench.profile_spread import prediction
+    from bench.report import profile_spread_table, spread_line
+
+    profile, schedule = _solved("gpt", 40)
+    predicted = prediction(profile, schedule)
     slower = {**predicted, "overhead": predicted["overhead"] + 0.05}
     row = {
         "workload": "gpt",

@@ -33,8 +33,8 @@ if str(ROOT) not in sys.path:
 
 from bench import methods as M  # noqa: E402
 from bench.pairing import median_interval, paired_overhead, paired_ratios  # noqa: E402
-from bench.run import WORKLOADS, log, measure_eager, write_rows  # noqa: E402
-from monet_cli.core.plan import plan_of, predicted, solve_schedule, variants_of  # noqa: E402
+from bench.run import WORKLOADS, log, measure_eager, predicted_overhead, write_rows  # noqa: E402
+from monet_cli.core.plan import plan_of, solve_schedule, variants_of  # noqa: E402
 from monet_cli.core.profile import Overheads, Profile  # noqa: E402
 from monet_cli.core.schedule import Schedule  # noqa: E402
 from monet_cli.core.segments import SegmentModel  # noqa: E402
@@ -91,16 +91,15 @@ def prediction(profile: Profile, schedule: Schedule) -> dict[str, Any]:
         model = SegmentModel(priced)
         return simulate(priced, plan_of(schedule, model), model=model, variants=variants).added_ms
 
-    model = SegmentModel(profile)
-    result = simulate(profile, plan_of(schedule, model), model=model, variants=chosen)
+    total_ms = added_ms(profile.overheads)
     unpriced = _without(profile.overheads, tuple(f.name for f in fields(Overheads)))
     parts = {"walls": added_ms(unpriced, frozenset())}
     parts["operator variants"] = added_ms(unpriced) - parts["walls"]
     for part, names in PARTS.items():
-        parts[part] = result.added_ms - added_ms(_without(profile.overheads, names))
+        parts[part] = total_ms - added_ms(_without(profile.overheads, names))
     return {
-        "overhead": predicted(profile, result).overhead,
-        "added_ms": result.added_ms,
+        "overhead": predicted_overhead(SegmentModel(profile), profile, schedule),
+        "added_ms": total_ms,
         "parts_ms": {part: round(ms, 3) for part, ms in parts.items()},
     }
 

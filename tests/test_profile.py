@@ -252,7 +252,8 @@ def test_a_profile_warns_when_the_machine_speed_changed_while_it_ran():
     warning when their median is more than ``SPEED_CHANGE`` off the profile's step."""
     import warnings
 
-    from monet_cli.profiler.run import SPEED_CHANGE, warn_on_speed_change
+    from monet_cli.core.profile import SPEED_CHANGE
+    from monet_cli.profiler.run import warn_on_speed_change
 
     class Steps:
         def __init__(self, ms):
@@ -490,7 +491,7 @@ def _stub_checkpointed_forward(module, keep, marker, *, selective=False):
 def test_checkpoint_s_frame_and_policy_are_priced_in_the_step(resnet18_profile, monkeypatch):
     """The cheapest calls to checkpoint (none nested in another, no BatchNorm), the few
     cheapest of them and the largest run checkpointed in the real step against plain steps,
-    paired: what each set adds beyond its price is a cost paid once, frames and re-run ops,
+    interleaved round by round: what each set adds beyond its price is a cost paid once, frames and re-run ops,
     which the three sets weigh differently, so the once goes to ``first_frame_ms``, the
     frame's extra to ``segment_ms`` and each re-run op's to ``python_op_ms``. The largest calls
     run under a selective policy against plain checkpoint: the difference per op, forward and
@@ -574,16 +575,71 @@ def test_checkpoint_s_frame_and_policy_are_priced_in_the_step(resnet18_profile, 
     assert {"layer1", "layer4", "fc"} <= largest
     assert not swapped(), "forwards left swapped"
     assert not any(getattr(m, "_monet_guarded", False) or m._forward_hooks for m in modules.values())
-    assert steps_run[0] == 4 * 2 * (in_step.WARM_UP_PAIRS + 3 * in_step.PAIRS_PER_STEP)  # 4 measurements, 3 steps
-    assert walls_timed[0] == 3 * 3 * in_step.PAIRS_PER_STEP // in_step.WALLS_EVERY  # the three sets' pairs
-    steps_run[0] = 0
+    # 3 timed steps: 30 pairs a measurement. The three sets take the steps of three measurements,
+    # walls steps included, in rounds of four steps; the policy pairs on its own.
+    policy_steps = 2 * (in_step.WARM_UP_PAIRS + 3 * in_step.PAIRS_PER_STEP)
+    sets_steps = 3 * in_step._steps_to_pair(3 * in_step.PAIRS_PER_STEP)
+    assert sets_steps - 5 < steps_run[0] - policy_steps + walls_timed[0] <= sets_steps
+    rounds = (steps_run[0] - policy_steps) // 4 - in_step.WARM_UP_PAIRS
+    assert steps_run[0] - policy_steps == 4 * (in_step.WARM_UP_PAIRS + rounds)
+    assert walls_timed[0] == -(-rounds // in_step.WALLS_EVERY)
+    assert rounds > 1.5 * 3 * in_step.PAIRS_PER_STEP  # one plain step serves three sets
+    steps_run[0] = walls_timed[0] = 0
     assert in_step.price_in_step(workload, profile, 1) == priced  # `monet profile --steps 1` pairs fewer
-    assert steps_run[0] == 4 * 2 * (in_step.WARM_UP_PAIRS + in_step.PAIRS_PER_STEP)
+    assert steps_run[0] <= 2 * (in_step.WARM_UP_PAIRS + in_step.PAIRS_PER_STEP) + 3 * in_step._steps_to_pair(
+        in_step.PAIRS_PER_STEP
+    )
+
+
+def test_the_three_sets_are_timed_in_rotating_rounds_against_the_same_round_s_plain_step(monkeypatch):
+    """Each round runs the plain step and every set once, the order rotated from round to
+    round, and a set's difference is taken against the plain step of its own round: a machine
+    slowing by 1 ms a step (here) puts that plain step at most three steps, 3 ms, away, and
+    the rotation puts it before and after alike, so each set's median moves by 2 ms at most."""
+    from monet_cli.profiler import in_step
+    from monet_cli.profiler.capture import Timings
+
+    on = [False, False, False]
+    order: list[int] = []
+    clock = [0]
+
+    class Machine:
+        def timed_step(self) -> float:
+            clock[0] += 1
+            version = next((k + 1 for k, flag in enumerate(on) if flag), 0)
+            order.append(version)
+            return 100.0 + clock[0] + 10.0 * version
+
+    class CallTimer:
+        def __init__(self, workload: Machine) -> None:
+            self.workload = workload
+
+        def step(self) -> tuple[float, list[float]]:
+            assert not any(on), "calls timed in a checkpointed step"
+            clock[0] += 1
+            return 100.0, []
+
+    def switch(k: int):
+        def set_to(second: bool) -> None:
+            on[k] = second
+
+        return set_to
+
+    monkeypatch.setattr(in_step, "CallTimer", CallTimer)
+    walls = Timings()
+    added = in_step._interleaved(Machine(), [switch(0), switch(1), switch(2)], 20, walls)
+    rounds = [order[i : i + 4] for i in range(0, len(order), 4)]
+    assert all(sorted(r) == [0, 1, 2, 3] for r in rounds)
+    assert [r[0] for r in rounds[:4]] == [0, 1, 2, 3]  # who goes first rotates
+    assert len(walls.step_ms) == -(-(len(rounds) - in_step.WARM_UP_PAIRS) // in_step.WALLS_EVERY)
+    assert not any(on)
+    assert all(abs(ms - 10.0 * k) <= 2.0 for k, ms in enumerate(added, start=1)), added
 
 
 def test_a_measurement_in_the_step_keeps_to_its_budget_warm_up_and_walls_steps_included(monkeypatch):
-    """The pairs, their warm-up and the plain steps whose calls are timed between them all
-    fit ``BUDGET_S``, whatever the step's length; a step too long for ``MIN_PAIRS`` is not paired."""
+    """The pairs and their warm-up fit ``BUDGET_S``, and the three sets' rounds with theirs
+    and the plain steps whose calls are timed between them three times that, whatever the
+    step's length; a step too long for ``MIN_PAIRS`` is not paired."""
     from monet_cli.profiler import in_step
     from monet_cli.profiler.capture import Timings
 
@@ -610,8 +666,12 @@ def test_a_measurement_in_the_step_keeps_to_its_budget_warm_up_and_walls_steps_i
         if not in_step.can_pair(step_ms, 3):
             continue
         clock_ms[0] = 0.0
-        in_step._paired(Machine(step_ms), lambda _second: None, in_step._pairs(step_ms, 3), Timings())
+        pairs = in_step._pairs(step_ms, 3)
+        in_step._paired(Machine(step_ms), lambda _second: None, pairs)
         assert clock_ms[0] <= in_step.BUDGET_S * 1000.0, step_ms
+        clock_ms[0] = 0.0
+        in_step._interleaved(Machine(step_ms), [lambda _second: None] * 3, pairs, Timings())
+        assert clock_ms[0] <= 3 * in_step.BUDGET_S * 1000.0, step_ms  # the three sets, walls steps included
         paired.append(step_ms)
     assert paired == [5.0, 60.0, 150.0, 250.0, 290.0]
 

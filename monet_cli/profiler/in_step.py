@@ -12,7 +12,7 @@ blocks were priced right and small segments (a LayerNorm and a Linear, an MLP) t
 solver chose many small segments and the step ran 8 to 12 points slower than predicted.
 
 So the step itself is timed with module calls checkpointed as a schedule runs them (the
-executor's ``checkpointed_forward``, their BatchNorms guarded), paired, in alternating order.
+executor's ``checkpointed_forward``, their BatchNorms guarded), interleaved with plain steps.
 Priced on ``torch.utils.checkpoint`` alone, the unet's schedule of every block ran 1.5 to 2.0%
 of the step slower than PyTorch's checkpoint of the same blocks in two runs of 61 and 201
 interleaved repeats (12-05; 90% intervals -1.7 to +5.0% and -1.4 to +5.2%), and its
@@ -32,13 +32,24 @@ prediction matched PyTorch's. The sets:
 - the largest calls under a selective policy that keeps nothing, against plain checkpoint:
   the difference, per op run under the policy in the forward and in the recompute, is
   ``policy_op_ms``.
-Each set is priced at its calls' walls timed again in plain steps between its pairs
-(``CallTimer``, after every other pair), and what it adds beyond that price is put in the profile's time by those
-steps over the profile's. Priced at the profile's walls instead, with the first set's speed
-for all, five gpt profiles in a row (12-05) left 1.8 to 7.0 ms of the largest set's time
-unpriced, and 11.2 ms where the pricing ran 16% faster than the profile's timed steps (a
-slow speed slows the backward more than the forward: ``retimed``); priced at walls timed
-again, five more left 3.0 to 5.1 ms, all at one speed (the rest is the noise of 30 pairs).
+The three sets run in rounds: the plain step and each set once, the order rotated from round
+to round, each set's difference taken against its own round's plain step (``_interleaved``),
+as many rounds as the steps of three measurements of ``pairs`` pairs. Timed one set after
+another, each paired with its own plain steps, the three spanned 25 s of a machine that
+changes speed within minutes. In a same-run comparison (12-07, six runs on tiny_gpt and the
+unet, 22 profiles each way in alternation, every plan's prediction against one interleaved
+measurement of 61 repeats) the rounds put 68 of 77 predictions within 3 points of the
+measured overhead against 56 of 77 (mean absolute miss 1.6 points against 2.2, one plan's
+predictions spreading at most 5.5 points against 16.4: one profile of the sets timed apart,
+in a slow spell, priced a re-run op at 20 us and missed the deepest plan by 11.0 points).
+Each set is priced at its calls' walls timed again in plain steps between the rounds
+(``CallTimer``, after every other round), and what it adds beyond that price is put in the
+profile's time by those steps over the profile's. Priced at the profile's walls instead,
+with the first set's speed for all, five gpt profiles in a row (12-05) left 1.8 to 7.0 ms
+of the largest set's time unpriced, and 11.2 ms where the pricing ran 16% faster than the
+profile's timed steps (a slow speed slows the backward more than the forward: ``retimed``);
+priced at walls timed again, five more left 3.0 to 5.1 ms, all at one speed (the rest is
+the noise of 30 pairs).
 BatchNorm calls are left out, as they were when the sets ran under plain checkpoint (a
 recompute then updated their statistics again). The guards now prevent that; letting them in
 would change which calls the cheapest sets hold, and has not been measured. Where a step
@@ -79,7 +90,7 @@ PAIRS_PER_STEP = 10
 MIN_PAIRS, MAX_PAIRS = 9, 31
 WARM_UP_PAIRS = 2
 WALLS_EVERY = 2
-"""Pairs per plain step with its calls timed. One after every pair added about 7 s to
+"""Pairs (or rounds of the three sets) per plain step with its calls timed. One after every pair added about 7 s to
 tiny_gpt's profile and 39 s to the real-model tests (12-05); every other pair's steps span
 the same stretch of time."""
 
@@ -97,19 +108,16 @@ def price_in_step(workload: Workload, profile: Profile, steps: int) -> Overheads
     largest = _calls(model, cheapest=False)
     modules = dict(workload.model.named_modules())
 
-    def checkpointed(calls: list[int]) -> _Checkpointed:
-        walls = Timings()
-        toggles = [_Toggle(modules[model.calls[c].fqn]) for c in calls]
-        try:
-            _, added_ms = _paired(workload, _toggles(toggles), pairs, walls)
-        finally:
-            for toggle in toggles:
-                toggle.close()
-        return _Checkpointed(unpriced, walls, calls, added_ms)
-
-    many = checkpointed(cheapest)
-    few = checkpointed(cheapest[:FEW_FRAMES]) if FEW_FRAMES < len(cheapest) else many
-    long = checkpointed(largest)
+    sets = [cheapest[:FEW_FRAMES], cheapest, largest] if FEW_FRAMES < len(cheapest) else [cheapest, largest]
+    toggles = {c: _Toggle(modules[model.calls[c].fqn]) for c in dict.fromkeys(c for calls in sets for c in calls)}
+    walls = Timings()
+    try:
+        added_ms = _interleaved(workload, [_toggles([toggles[c] for c in calls]) for calls in sets], pairs, walls)
+    finally:
+        for toggle in toggles.values():
+            toggle.close()
+    measured = [_Checkpointed(unpriced, walls, calls, ms) for calls, ms in zip(sets, added_ms, strict=True)]
+    few, many, long = measured if len(measured) == 3 else (measured[0], *measured)
     once_ms, frame_ms, op_ms = _unpriced(few, many, long)
     policies = [_Toggle(modules[model.calls[c].fqn], policy=True) for c in largest]
     try:
@@ -286,13 +294,9 @@ def _toggles(toggles: list[_Toggle]) -> Callable[[bool], None]:
     return switch
 
 
-def _paired(
-    workload: Workload, switch: Callable[[bool], None], pairs: int, walls: Timings | None = None
-) -> tuple[float, float]:
+def _paired(workload: Workload, switch: Callable[[bool], None], pairs: int) -> tuple[float, float]:
     """Median step with ``switch(False)``, and median paired difference (``switch(True)`` minus
-    it), in ms; ``switch(False)`` again at the end. With ``walls``, every ``WALLS_EVERY``-th
-    pair is followed by a step with ``switch(False)`` whose module calls are timed
-    (``CallTimer``), into ``walls``."""
+    it), in ms; ``switch(False)`` again at the end."""
     first, added = [], []
     try:
         for k in range(WARM_UP_PAIRS + pairs):
@@ -303,11 +307,54 @@ def _paired(
             if k >= WARM_UP_PAIRS:
                 first.append(times[False])
                 added.append(times[True] - times[False])
-                if walls is not None and (k - WARM_UP_PAIRS) % WALLS_EVERY == 0:
-                    switch(False)
-                    step_ms, call_ms = CallTimer(workload).step()
-                    walls.step_ms.append(step_ms)
-                    walls.call_ms.append(call_ms)
     finally:
         switch(False)
     return statistics.median(first), statistics.median(added)
+
+
+def _interleaved(workload: Workload, switches: list[Callable[[bool], None]], pairs: int, walls: Timings) -> list[float]:
+    """Each switch's median difference (``switch(True)`` minus the plain step of the same
+    round), in ms. A round runs the plain step and each switch on in turn, its order rotated
+    from round to round, so every set is timed at the speed the others are and against the
+    same plain steps; every ``WALLS_EVERY``-th round is followed by a plain step whose module
+    calls are timed (``CallTimer``), into ``walls``. As many rounds as the steps of one
+    ``pairs``-pair measurement per switch: timed one after the other, three sets of 31 pairs
+    spanned 25 s of a machine that changes speed within minutes."""
+    versions = len(switches) + 1  # 0: the plain step
+
+    def only(version: int) -> None:
+        for switch in switches:  # the sets may share calls: all off, then one on
+            switch(False)
+        if version:
+            switches[version - 1](True)
+
+    rounds = _rounds(versions, len(switches) * _steps_to_pair(pairs))
+    added: list[list[float]] = [[] for _ in switches]
+    try:
+        for r in range(WARM_UP_PAIRS + rounds):
+            order = [(r + v) % versions for v in range(versions)]
+            times = {}
+            for version in order:
+                only(version)
+                times[version] = workload.timed_step()
+            if r < WARM_UP_PAIRS:
+                continue
+            for k in range(1, versions):
+                added[k - 1].append(times[k] - times[0])
+            if (r - WARM_UP_PAIRS) % WALLS_EVERY == 0:
+                only(0)
+                step_ms, call_ms = CallTimer(workload).step()
+                walls.step_ms.append(step_ms)
+                walls.call_ms.append(call_ms)
+    finally:
+        only(0)
+    return [statistics.median(differences) for differences in added]
+
+
+def _rounds(versions: int, steps: int) -> int:
+    """Rounds of ``versions`` steps each, with the warm-up rounds and the walls steps, that
+    run at most ``steps`` steps."""
+    rounds = 0
+    while versions * (WARM_UP_PAIRS + rounds + 1) + math.ceil((rounds + 1) / WALLS_EVERY) <= steps:
+        rounds += 1
+    return rounds

@@ -256,6 +256,7 @@ def test_apply_times_pairs_in_turns_and_takes_the_median_of_their_overheads():
         step_ms=125.0,
         baseline_step_ms=100.0,
         predicted_overhead=0.1,
+        profiled_baseline_step_ms=100.0,
         paired_overheads=tuple(s / b - 1 for s, b in zip(sched_ms, base_ms)),
         check=None,
         meter="live-storages",
@@ -263,3 +264,23 @@ def test_apply_times_pairs_in_turns_and_takes_the_median_of_their_overheads():
     assert report.overhead == pytest.approx(0.125)  # the ratio of the medians would say +15%
     assert report.overhead_range == pytest.approx((0.05, 0.2))
     assert replace(report, paired_overheads=(0.3,)).overhead_range == (0.3, 0.3)
+
+
+def test_apply_warns_when_the_step_runs_at_another_speed_than_profiled():
+    """The predicted overhead holds at the speed its profile timed the step: a measured
+    unmodified step more than ``SPEED_CHANGE`` times (and ``SPEED_CHANGE_MIN_MS``) off it
+    says so, either way; within it, or on a sub-millisecond step's jitter, nothing."""
+    import warnings
+
+    from monet_cli.core.profile import SPEED_CHANGE
+    from monet_cli.runtime.compare import warn_if_other_speed
+
+    with pytest.warns(UserWarning, match=r"took 61\.0 ms here and 50\.0 ms when the schedule's profile timed it"):
+        warn_if_other_speed(50.0, 50.0 * SPEED_CHANGE * 1.017)
+    with pytest.warns(UserWarning, match=r"took 40\.0 ms here and 50\.0 ms"):
+        warn_if_other_speed(50.0, 40.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        warn_if_other_speed(50.0, 50.0 * SPEED_CHANGE * 0.99)
+        warn_if_other_speed(50.0, 50.0 / SPEED_CHANGE * 1.01)
+        warn_if_other_speed(0.5, 0.9)

@@ -93,12 +93,14 @@ def test_apply_holds_budget_and_gradients(workdir: Path):
         "overhead",
         "overhead_range",
         "predicted_overhead",
+        "profiled_baseline_step_ms",
         "grads_match",
         "within_budget",
         "check",
     ]
     assert report["grads_match"] is None and report["check"] is None and report["within_budget"] is True
     assert report["predicted_overhead"] == load_schedule(path).predicted.overhead
+    assert report["profiled_baseline_step_ms"] == load_schedule(path).predicted.baseline_step_ms
     assert report["overhead_range"] == [report["overhead"], report["overhead"]]  # one pair
     assert report["measured_peak_bytes"] <= report["budget_bytes"]
     assert abs(report["predicted_peak_bytes"] - report["measured_peak_bytes"]) <= 0.02 * report["measured_peak_bytes"]

@@ -34,6 +34,7 @@ def report_json(report) -> dict[str, Any]:
         "overhead": report.overhead,
         "overhead_range": list(report.overhead_range),
         "predicted_overhead": report.predicted_overhead,
+        "profiled_baseline_step_ms": report.profiled_baseline_step_ms,
         "grads_match": None if report.check is None else report.check.ok,
         "within_budget": report.within_budget,
         "check": None if report.check is None else check_json(report.check),
@@ -94,7 +95,8 @@ def _step_time(report) -> str:
     spread = f" over {pairs} pairs, {100 * low:+.1f}% to {100 * high:+.1f}%" if pairs > 1 else " in 1 pair"
     return (
         f"{report.step_ms:.1f} ms vs {report.baseline_step_ms:.1f} ms: {100 * report.overhead:+.1f}%{spread}; "
-        f"predicted {100 * report.predicted_overhead:+.1f}%"
+        f"predicted {100 * report.predicted_overhead:+.1f}% (priced at a {report.profiled_baseline_step_ms:.1f} ms "
+        "unmodified step)"
     )
 
 

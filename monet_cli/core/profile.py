@@ -114,6 +114,21 @@ class Fingerprint:
     before it was recorded."""
 
 
+SPEED_CHANGE = 1.2
+"""Two medians of the same plain step this many times apart ran at another speed: every price
+is taken at the speed of its own stretch of the profile, and one resnet50 profile on this CPU
+timed its step at 1,997 ms while the bench that followed ran it at 1,249."""
+SPEED_CHANGE_MIN_MS = 1.0
+"""Nor is a change of less than this one: on sub-millisecond steps it is the timer's and
+Python's jitter (a test model's 0.7 ms step came out 1.2x slower at the end of its profile)."""
+
+
+def other_speed(first_ms: float, second_ms: float) -> bool:
+    """Whether two medians of one plain step say the machine ran at another speed."""
+    ratio = max(first_ms / second_ms, second_ms / first_ms)
+    return ratio > SPEED_CHANGE and abs(first_ms - second_ms) >= SPEED_CHANGE_MIN_MS
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Baseline:
     peak_bytes: int

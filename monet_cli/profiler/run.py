@@ -31,6 +31,7 @@ from monet_cli.core.profile import (
     PackRecord,
     Profile,
     StorageRecord,
+    other_speed,
 )
 from monet_cli.core.variants import find_sites
 from monet_cli.errors import CheckpointConflictError, FingerprintError, ModelError
@@ -61,14 +62,6 @@ TIMING_BUDGET_S = 3.0
 median of the bench's steps that followed (tiny_gpt: 67.8 ms against 51.0), and every
 in-step price, taken in the profile's step time, moved with it."""
 MAX_STEPS_PER_TICK = 5
-SPEED_CHANGE = 1.2
-"""Plain steps at the end of a profile this many times slower or faster than its timed steps
-are reported: every price is taken at the speed of its own stretch of the profile, and one
-resnet50 profile on this CPU timed its step at 1,997 ms while the bench that followed ran it
-at 1,249."""
-SPEED_CHANGE_MIN_MS = 1.0
-"""Nor is a change of less than this reported: on sub-millisecond steps it is the timer's and
-Python's jitter (a test model's 0.7 ms step came out 1.2x slower at the end)."""
 
 
 def _no_progress(label: str) -> None:
@@ -191,12 +184,11 @@ def profile_model(
 
 
 def warn_on_speed_change(workload: Workload, step_ms: list[float]) -> None:
-    """Time as many plain steps as ``step_ms`` holds and warn when their median is
-    ``SPEED_CHANGE`` times and ``SPEED_CHANGE_MIN_MS`` off the median of ``step_ms`` (the
-    profile's step)."""
+    """Time as many plain steps as ``step_ms`` holds and warn when their median says the
+    machine runs at another speed than the median of ``step_ms`` (the profile's step)."""
     early = statistics.median(step_ms)
     late = statistics.median([workload.timed_step() for _ in step_ms])
-    if max(late / early, early / late) > SPEED_CHANGE and abs(late - early) >= SPEED_CHANGE_MIN_MS:
+    if other_speed(early, late):
         warnings.warn(
             f"monet: this machine's speed changed while profiling: the plain step took {early:.1f} ms "
             f"when timed and {late:.1f} ms at the end, and the predicted overheads assume one speed; "

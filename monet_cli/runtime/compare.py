@@ -16,11 +16,13 @@ from __future__ import annotations
 
 import contextlib
 import statistics
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
+from monet_cli.core.profile import other_speed
 from monet_cli.core.schedule import Schedule
 from monet_cli.errors import FingerprintError, ModelError
 from monet_cli.runtime.executor import apply_schedule, machinery
@@ -81,6 +83,9 @@ class ApplyReport:
     baseline_step_ms: float
     predicted_overhead: float
     """The schedule's (``Predicted.overhead``), to set beside the measured ``overhead``."""
+    profiled_baseline_step_ms: float
+    """The unmodified step the prediction was priced at (``Predicted.baseline_step_ms``), to
+    set beside the measured ``baseline_step_ms``."""
     paired_overheads: tuple[float, ...]
     """Each timed pair's scheduled step over its unmodified one, minus 1, in timing order."""
     check: CheckResult | None
@@ -311,6 +316,7 @@ def run_apply(
         "apply timed its steps",
         "the measured overhead may say more about that work than about the schedule",
     )
+    warn_if_other_speed(schedule.predicted.baseline_step_ms, statistics.median(base_ms))
     return ApplyReport(
         budget_bytes=schedule.budget_bytes,
         predicted_peak_bytes=schedule.predicted.peak_bytes,
@@ -319,12 +325,29 @@ def run_apply(
         step_ms=round(statistics.median(sched_ms), 3),
         baseline_step_ms=round(statistics.median(base_ms), 3),
         predicted_overhead=schedule.predicted.overhead,
+        profiled_baseline_step_ms=schedule.predicted.baseline_step_ms,
         paired_overheads=tuple(round(s / b - 1, 6) for s, b in zip(sched_ms, base_ms)),
         check=result,
         meter=sched_peak.meter,
         timeline=sched_peak.timeline,
         baseline_timeline=base_peak.timeline,
     )
+
+
+def warn_if_other_speed(profiled_ms: float, measured_ms: float) -> None:
+    """Warn when the unmodified step ran at another speed than when the schedule's profile
+    timed it. A step's parts do not change speed alike (on this project's CPU a slow spell
+    slowed the backward more than the forward a recompute re-runs): tiny_gpt profiles whose step
+    ran 1.16 to 1.30 times faster or slower than a measurement's missed its deepest plans by up to 7.6
+    points, where those at its speed held within 2.1 (12-06)."""
+    if other_speed(profiled_ms, measured_ms):
+        warnings.warn(
+            f"monet: the unmodified step took {measured_ms:.1f} ms here and {profiled_ms:.1f} ms when the "
+            "schedule's profile timed it (another machine, or this one at another speed); the predicted overhead "
+            "holds at the profile's speed, and the parts of a step do not change speed alike: profile on this "
+            "machine for a prediction at its speed",
+            stacklevel=2,
+        )
 
 
 def _timed_pairs(

@@ -491,10 +491,10 @@ def _stub_checkpointed_forward(module, keep, marker, *, selective=False):
 def test_checkpoint_s_frame_and_policy_are_priced_in_the_step(resnet18_profile, monkeypatch):
     """The cheapest calls to checkpoint (none nested in another, no BatchNorm), the few
     cheapest of them and the largest run checkpointed in the real step against plain steps,
-    interleaved round by round: what each set adds beyond its price is a cost paid once, frames and re-run ops,
-    which the three sets weigh differently, so the once goes to ``first_frame_ms``, the
-    frame's extra to ``segment_ms`` and each re-run op's to ``python_op_ms``. The largest calls
-    run under a selective policy against plain checkpoint: the difference per op, forward and
+    interleaved round by round: what each set adds beyond its price is a cost paid once,
+    frames and re-run ops, which the three sets weigh differently, so the once goes to
+    ``first_frame_ms``, the frame's extra to ``segment_ms`` and each re-run op's to
+    ``python_op_ms``. The largest calls run under a selective policy against plain checkpoint: the difference per op, forward and
     recompute, is ``policy_op_ms``. All in the profile's time. The step's timings are the
     benchmarks' business: here the step is a stub that reads which forwards are swapped and
     adds a known cost for each.

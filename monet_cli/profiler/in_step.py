@@ -90,9 +90,9 @@ PAIRS_PER_STEP = 10
 MIN_PAIRS, MAX_PAIRS = 9, 31
 WARM_UP_PAIRS = 2
 WALLS_EVERY = 2
-"""Pairs (or rounds of the three sets) per plain step with its calls timed. One after every pair added about 7 s to
-tiny_gpt's profile and 39 s to the real-model tests (12-05); every other pair's steps span
-the same stretch of time."""
+"""Rounds of the three sets per plain step with its calls timed. One after every pair (when
+the sets were paired one after another) added about 7 s to tiny_gpt's profile and 39 s to the
+real-model tests (12-05); every other pair's steps span the same stretch of time."""
 
 
 def price_in_step(workload: Workload, profile: Profile, steps: int) -> Overheads:

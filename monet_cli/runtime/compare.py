@@ -337,9 +337,9 @@ def run_apply(
 def warn_if_other_speed(profiled_ms: float, measured_ms: float) -> None:
     """Warn when the unmodified step ran at another speed than when the schedule's profile
     timed it. A step's parts do not change speed alike (on this project's CPU a slow spell
-    slowed the backward more than the forward a recompute re-runs): tiny_gpt profiles whose step
-    ran 1.16 to 1.30 times faster or slower than a measurement's missed its deepest plans by up to 7.6
-    points, where those at its speed held within 2.1 (12-06)."""
+    slowed the backward more than the forward a recompute re-runs): tiny_gpt profiles whose
+    step ran 1.16 to 1.30 times faster or slower than a measurement's missed its deepest plans
+    by up to 7.6 points, where those at its speed held within 2.1 (12-06)."""
     if other_speed(profiled_ms, measured_ms):
         warnings.warn(
             f"monet: the unmodified step took {measured_ms:.1f} ms here and {profiled_ms:.1f} ms when the "

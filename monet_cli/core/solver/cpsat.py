@@ -148,9 +148,11 @@ def build_model(
     budget_bytes: int | None,
     min_peak: bool = False,
     variants: tuple[int, ...] = (),
+    unit: int | None = None,
 ) -> tuple[cp_model.CpModel, Variables]:
     """The CP model over the segments and the offered ``variants``; ``budget_bytes=None`` with
-    ``min_peak`` minimises the peak instead."""
+    ``min_peak`` minimises the peak instead. Memory rows are in ``unit`` bytes, by default
+    ``memory_unit``'s."""
     cp = cp_model.CpModel()
     v = Variables()
     for c, seg in model.segments.items():
@@ -162,7 +164,7 @@ def build_model(
             cp.add_implication(v.keep[(c, i)], v.policy[c])
     _add_overlaps(cp, model, v)
     _add_variants(cp, model, v, variants)
-    unit = memory_unit(rows, budget_bytes)
+    unit = unit or memory_unit(rows, budget_bytes)
     if min_peak:
         top = max(
             (

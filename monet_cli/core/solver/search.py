@@ -23,7 +23,15 @@ import numpy as np
 from monet_cli.core.schedule import SolverInfo
 from monet_cli.core.segments import SegmentModel
 from monet_cli.core.simulate import Plan, SimResult, Variants, simulate
-from monet_cli.core.solver.cpsat import MemoryRow, add_hint, build_model, peak_lower_bound, row_at, solve_model
+from monet_cli.core.solver.cpsat import (
+    MemoryRow,
+    add_hint,
+    build_model,
+    memory_unit,
+    peak_lower_bound,
+    row_at,
+    solve_model,
+)
 from monet_cli.core.solver.descent import descend
 from monet_cli.core.solver.heuristics import best_heuristic
 from monet_cli.core.solver.linear import LinearMemory
@@ -132,12 +140,12 @@ class Planner:
         # The budget of the linear model, which adds up requests: lowered where the allocator's
         # unsplit blocks put an answer over the budget (CUDA), so nothing proven is then optimal.
         linear_budget = budget_bytes
-        status, objective, bound, rounds = "UNKNOWN", None, None, 0
+        status, objective, bound, rounds, unit = "UNKNOWN", None, None, 0, None
         for rounds in range(1, MAX_ROUNDS + 1):
             remaining = time_limit_s - (time.perf_counter() - start)
             if remaining <= 0.05:
                 break
-            cp, variables = build_model(self.model, rows, budget_bytes=linear_budget, variants=self.offered)
+            cp, variables = build_model(self.model, rows, budget_bytes=linear_budget, variants=self.offered, unit=unit)
             add_hint(cp, self.model, variables, *hint)
             cp_result = solve_model(
                 cp,
@@ -154,11 +162,25 @@ class Planner:
             status = cp_result.status
             if cp_result.refused is None:
                 if cp_result.plan is None:
+                    if (
+                        status == "INFEASIBLE"
+                        and best is not None
+                        and unit is None
+                        and memory_unit(rows, linear_budget) > 1
+                    ):
+                        # Rows in whole units, rounded up, count each plan a little high: within
+                        # that of the smallest peak they can leave no plan where the simulator
+                        # has one (mobilenet_v2: +42.1% for its smallest peak's plan descended,
+                        # +26.3% in bytes). In bytes no proof is claimed: the units are there
+                        # because CP-SAT's bounds went wrong with numbers that large.
+                        report(f"round {rounds}: no plan in rounded units; rows in bytes from here")
+                        unit, hint = 1, best[:2]
+                        continue
                     break
                 result = simulate(self.profile, cp_result.plan, model=self.model, variants=cp_result.variants)
                 if result.peak_bytes <= budget_bytes:
                     objective, bound = cp_result.objective, cp_result.bound
-                    if linear_budget < budget_bytes:
+                    if linear_budget < budget_bytes or unit == 1:
                         status, bound = "FEASIBLE", None
                     best = (cp_result.plan, cp_result.variants, result)
                     break
@@ -194,7 +216,8 @@ class Planner:
                 unproven += ", descent"
             return self._outcome(plan, result, "FEASIBLE", unproven, result.added_ms, None, start, rounds, variants)
         bound_ms = None if bound is None else bound / 1000
-        return self._outcome(plan, result, status, "cp-sat", objective / 1000, bound_ms, start, rounds, variants)
+        method = "cp-sat (rows in bytes)" if unit == 1 else "cp-sat"
+        return self._outcome(plan, result, status, method, objective / 1000, bound_ms, start, rounds, variants)
 
     def _warm_start(
         self, budget_bytes: int, hint: Hint | None, search_s: float, workers: int, seed: int, report: Report

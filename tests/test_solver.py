@@ -411,11 +411,14 @@ def test_where_rounded_rows_leave_no_plan_the_solve_runs_again_in_bytes(enumerab
     rounded = []
     for budget in peaks[: len(peaks) // 3]:
         best = min(round(r.added_ms, 3) for r, _ in scored if r.peak_bytes <= budget)
-        outcome = planner.solve(budget, time_limit_s=20, workers=1, seed=0)
+        progress: list[str] = []
+        outcome = planner.solve(budget, time_limit_s=20, workers=1, seed=0, report=progress.append)
         assert outcome.result.peak_bytes <= budget
         if outcome.method == "cp-sat (rows in bytes)":
             assert outcome.result.added_ms == pytest.approx(best, abs=0.01), budget
             assert (outcome.status, outcome.bound_ms, outcome.gap) == ("FEASIBLE", None, None)
+            in_bytes = progress[next(i for i, m in enumerate(progress) if "rows in bytes from here" in m) :]
+            assert not any("bound" in m for m in in_bytes), in_bytes  # nor in its progress
             rounded.append(budget)
     assert rounded, "no budget where rounded rows left no plan: the test no longer exercises the retry"
 

@@ -154,8 +154,10 @@ class Planner:
                 workers=workers,
                 seed=seed,
                 relative_gap=relative_gap,
-                on_incumbent=lambda obj, bnd, t: report(
-                    f"incumbent {obj / 1000:.3f} ms added, bound {bnd / 1000:.3f} ms, {t:.1f}s"
+                on_incumbent=lambda obj, bnd, t, in_bytes=unit == 1: report(
+                    f"incumbent {obj / 1000:.3f} ms added"
+                    + ("" if in_bytes else f", bound {bnd / 1000:.3f} ms")  # in bytes no bound is claimed
+                    + f", {t:.1f}s"
                 ),
                 accept=lambda plan, variants: self._peak(plan, variants) <= budget_bytes,
             )

@@ -358,11 +358,13 @@ def test_descent_drops_what_the_budget_does_not_need_and_nothing_it_needs(enumer
     peaks = sorted({r.peak_bytes for r, _ in scored})
     for budget in (peaks[0], peaks[len(peaks) // 4], peaks[len(peaks) // 2]):
         start_result, start = max(((r, p) for r, p in scored if r.peak_bytes <= budget), key=lambda s: s[0].step_ms)
-        plan, variants, result = descend(model, start, frozenset(), budget, deadline=time.perf_counter() + 60)
+        plan, variants, result = descend(
+            model, (start, frozenset(), start_result), budget, deadline=time.perf_counter() + 60
+        )
         assert result == simulate(profile, plan, model=model, variants=variants)
         assert result.peak_bytes <= budget and result.step_ms < start_result.step_ms, budget
         assert set(plan) < set(start) and _removable(model, plan, variants, budget) == []
-        unchanged = descend(model, start, frozenset(), budget, deadline=time.perf_counter())  # out of time
+        unchanged = descend(model, (start, frozenset(), start_result), budget, deadline=time.perf_counter())  # no time
         assert unchanged[0] == start and unchanged[2].step_ms == start_result.step_ms
 
 

@@ -19,13 +19,13 @@ from monet_cli.core.simulate import Plan, SimResult, Variants, nesting_problem, 
 
 
 def descend(
-    model: SegmentModel, plan: Plan, variants: Variants, budget_bytes: int, *, deadline: float
+    model: SegmentModel, start: tuple[Plan, Variants, SimResult], budget_bytes: int, *, deadline: float
 ) -> tuple[Plan, Variants, SimResult]:
-    """``plan`` and ``variants`` less each segment or variant whose removal the simulator finds
-    within ``budget_bytes`` and faster, the costliest tried first, in passes until one removes
-    nothing or ``time.perf_counter()`` passes ``deadline``. A removal that leaves segments
-    nested in a way they cannot run is skipped."""
-    best = simulate(model.profile, plan, model=model, variants=variants)
+    """The plan and variants of ``start`` (with their simulation) less each segment or variant
+    whose removal the simulator finds within ``budget_bytes`` and faster, the costliest tried
+    first, in passes until one removes nothing or ``time.perf_counter()`` passes ``deadline``.
+    A removal that leaves segments nested in a way they cannot run is skipped."""
+    plan, variants, best = start
     improved = True
     while improved and time.perf_counter() < deadline:
         improved = False
@@ -37,9 +37,14 @@ def descend(
                 continue
             trial_variants = variants - {variant}
             result = simulate(model.profile, trial_plan, model=model, variants=trial_variants)
-            if result.peak_bytes <= budget_bytes and result.step_ms < best.step_ms:
+            if fits_faster(result, budget_bytes, best):
                 plan, variants, best, improved = trial_plan, trial_variants, result, True
     return plan, variants, best
+
+
+def fits_faster(result: SimResult, budget_bytes: int, than: SimResult | None) -> bool:
+    """``result`` is within ``budget_bytes`` and a faster step than ``than`` (None: anything)."""
+    return result.peak_bytes <= budget_bytes and (than is None or result.step_ms < than.step_ms)
 
 
 def _removals(model: SegmentModel, plan: Plan, variants: Variants) -> list[tuple[int | None, int | None]]:

@@ -32,7 +32,7 @@ from monet_cli.core.solver.cpsat import (
     row_at,
     solve_model,
 )
-from monet_cli.core.solver.descent import descend
+from monet_cli.core.solver.descent import descend, fits_faster
 from monet_cli.core.solver.heuristics import best_heuristic
 from monet_cli.core.solver.linear import LinearMemory
 from monet_cli.core.units import format_bytes
@@ -100,6 +100,11 @@ def _quiet(message: str) -> None:
     pass
 
 
+def _cp_sat(unit: int | None) -> str:
+    """The method of an answer CP-SAT found, in rows of ``unit`` bytes (None: not yet set)."""
+    return "cp-sat (rows in bytes)" if unit == 1 else "cp-sat"
+
+
 class Planner:
     """Everything derived from one profile, reused across budgets (sweeps)."""
 
@@ -131,7 +136,7 @@ class Planner:
         fastest (status FEASIBLE, with the gap); 0 proves it optimal or runs to the time limit."""
         start = time.perf_counter()
         if self.profile.baseline.peak_bytes <= budget_bytes:
-            result = simulate(self.profile, {}, model=self.model)
+            result = self._simulate({}, frozenset())
             if result.peak_bytes <= budget_bytes:
                 return self._outcome({}, result, "OPTIMAL", "no-checkpointing", 0.0, 0.0, start, 0)
         name, best, hint = self._warm_start(budget_bytes, hint, time_limit_s / 2, workers, seed, report)
@@ -145,7 +150,10 @@ class Planner:
             remaining = time_limit_s - (time.perf_counter() - start)
             if remaining <= 0.05:
                 break
-            cp, variables = build_model(self.model, rows, budget_bytes=linear_budget, variants=self.offered, unit=unit)
+            rounded = unit or memory_unit(rows, linear_budget)
+            cp, variables = build_model(
+                self.model, rows, budget_bytes=linear_budget, variants=self.offered, unit=rounded
+            )
             add_hint(cp, self.model, variables, *hint)
             cp_result = solve_model(
                 cp,
@@ -164,12 +172,7 @@ class Planner:
             status = cp_result.status
             if cp_result.refused is None:
                 if cp_result.plan is None:
-                    if (
-                        status == "INFEASIBLE"
-                        and best is not None
-                        and unit is None
-                        and memory_unit(rows, linear_budget) > 1
-                    ):
+                    if status == "INFEASIBLE" and best is not None and unit is None and rounded > 1:
                         # Rows in whole units, rounded up, count each plan a little high: within
                         # that of the smallest peak they can leave no plan where the simulator
                         # has one (mobilenet_v2: +42.1% for its smallest peak's plan descended,
@@ -179,7 +182,7 @@ class Planner:
                         unit, hint = 1, best[:2]
                         continue
                     break
-                result = simulate(self.profile, cp_result.plan, model=self.model, variants=cp_result.variants)
+                result = self._simulate(cp_result.plan, cp_result.variants)
                 if result.peak_bytes <= budget_bytes:
                     objective, bound = cp_result.objective, cp_result.bound
                     if linear_budget < budget_bytes or unit == 1:
@@ -191,8 +194,8 @@ class Planner:
                 over = cp_result.refused
                 if cp_result.plan is not None:  # the last incumbent that fit starts the next round
                     hint = (cp_result.plan, cp_result.variants)
-                    unproven, best = self._better(budget_bytes, "cp-sat", hint, unproven, best)
-            refused = simulate(self.profile, over[0], model=self.model, variants=over[1])
+                    unproven, best = self._better(budget_bytes, _cp_sat(unit), hint, unproven, best)
+            refused = self._simulate(*over)
             lowered = self._lowered_budget(budget_bytes, linear_budget, refused)
             added = self._violated_rows(rows, *over, lowered)
             report(
@@ -210,16 +213,15 @@ class Planner:
             return self._outcome(
                 None, None, "INFEASIBLE" if infeasible else "UNKNOWN", "cp-sat", None, None, start, rounds
             )
-        plan, variants, result = best
         if objective is None:  # nothing proven: the fastest plan that fit, less what it does not need
-            plan, variants, result = descend(self.model, plan, variants, budget_bytes, deadline=start + time_limit_s)
+            plan, variants, result = descend(self.model, best, budget_bytes, deadline=start + time_limit_s)
             if result.step_ms < best[2].step_ms:
                 report(f"descent: {result.added_ms:.3f} ms added, from {best[2].added_ms:.3f} ms")
                 unproven += ", descent"
             return self._outcome(plan, result, "FEASIBLE", unproven, result.added_ms, None, start, rounds, variants)
+        plan, variants, result = best
         bound_ms = None if bound is None else bound / 1000
-        method = "cp-sat (rows in bytes)" if unit == 1 else "cp-sat"
-        return self._outcome(plan, result, status, method, objective / 1000, bound_ms, start, rounds, variants)
+        return self._outcome(plan, result, status, _cp_sat(unit), objective / 1000, bound_ms, start, rounds, variants)
 
     def _warm_start(
         self, budget_bytes: int, hint: Hint | None, search_s: float, workers: int, seed: int, report: Report
@@ -231,7 +233,7 @@ class Planner:
         nothing fits) and the hint for CP-SAT."""
         name, heuristic, fits = best_heuristic(self.linear, budget_bytes)
         report(f"warm start: {name} ({'fits' if fits else 'over budget'})")
-        best = (heuristic, frozenset(), simulate(self.profile, heuristic, model=self.model)) if fits else None
+        best = (heuristic, frozenset(), self._simulate(heuristic, frozenset())) if fits else None
         if hint is not None:
             name, best = self._better(budget_bytes, "given plan", hint, name, best)
         if best is None:
@@ -251,8 +253,8 @@ class Planner:
     ) -> tuple[str, tuple[Plan, Variants, SimResult] | None]:
         """``hint`` (as ``name``) when it fits and is faster than ``best``, else ``best``."""
         plan, variants = hint
-        hinted = simulate(self.profile, plan, model=self.model, variants=variants)
-        if hinted.peak_bytes <= budget_bytes and (best is None or hinted.step_ms < best[2].step_ms):
+        hinted = self._simulate(plan, variants)
+        if fits_faster(hinted, budget_bytes, None if best is None else best[2]):
             return name, (plan, variants, hinted)
         return best_name, best
 
@@ -322,12 +324,12 @@ class Planner:
         whose peak is at most ``enough_bytes``, and then returns it as found."""
         start = time.perf_counter()
         _, heuristic, _ = best_heuristic(self.linear, 0)
-        candidates = [(self._peak(plan, frozenset()), plan, frozenset()) for plan in ({}, heuristic)]
+        candidates = [(self._simulate(plan, frozenset()), plan, frozenset()) for plan in ({}, heuristic)]
         rows = self._highest_rows()
         lower_bound = 0
         for _ in range(MAX_ROUNDS):
             remaining = time_limit_s - (time.perf_counter() - start)
-            if remaining <= 0.05 or min(peak for peak, _, _ in candidates) <= enough_bytes:
+            if remaining <= 0.05 or min(result.peak_bytes for result, _, _ in candidates) <= enough_bytes:
                 break
             cp, variables = build_model(self.model, rows, budget_bytes=None, min_peak=True, variants=self.offered)
             add_hint(cp, self.model, variables, heuristic)
@@ -336,7 +338,7 @@ class Planner:
                 lower_bound = max(lower_bound, peak_lower_bound(rows, cp_result.bound))
             if cp_result.plan is None:
                 break
-            candidates.append((self._peak(cp_result.plan, cp_result.variants), cp_result.plan, cp_result.variants))
+            candidates.append((self._simulate(cp_result.plan, cp_result.variants), cp_result.plan, cp_result.variants))
             # The model's own peak for this answer: the highest of the rows it had.
             predicted = self.linear.predict(cp_result.plan, cp_result.variants)
             relaxed = max(
@@ -346,11 +348,14 @@ class Planner:
             if not added:
                 break
             rows = rows + added
-        peak, plan, variants = min(candidates, key=lambda candidate: candidate[0])  # the earliest of equals
+        # The lowest peak, the earliest of equals.
+        result, plan, variants = min(candidates, key=lambda candidate: candidate[0].peak_bytes)
         if not enough_bytes:  # a solve's warm start (``enough_bytes``) descends at its budget instead
             # Minimising the peak alone checkpoints whatever does not raise it: keep what it needs.
-            plan, variants, result = descend(self.model, plan, variants, peak, deadline=start + time_limit_s)
-            peak = result.peak_bytes
+            plan, variants, result = descend(
+                self.model, (plan, variants, result), result.peak_bytes, deadline=start + time_limit_s
+            )
+        peak = result.peak_bytes
         return MinimumPeak(
             peak_bytes=peak,
             lower_bound_bytes=min(lower_bound, peak),
@@ -360,7 +365,10 @@ class Planner:
         )
 
     def _peak(self, plan: Plan, variants: Variants) -> int:
-        return simulate(self.profile, plan, model=self.model, variants=variants).peak_bytes
+        return self._simulate(plan, variants).peak_bytes
+
+    def _simulate(self, plan: Plan, variants: Variants) -> SimResult:
+        return simulate(self.profile, plan, model=self.model, variants=variants)
 
     def breakdown(self, plan: Plan, variants: Variants = frozenset()) -> dict[str, int]:
         """Bytes by kind (parameters, gradients, optimizer state, activations, ...) at the peak."""

@@ -590,9 +590,9 @@ def reach_table(reach: dict[str, Any]) -> str:
         "module's forward with its own code, such as a residual add; a range may run nested in its module's segment)",
         "and operator variants. At the last floor, the fastest plan with that peak as the budget (solved as",
         "`monet solve` does, within 1%; its status beside the overhead) is run against the unmodified model.",
-        '"x less activations" =',
-        "(baseline peak - fixed) / (peak - fixed), fixed = parameters, gradients and optimizer state. The gpt2 and",
-        "llama rows are the real-models issue's reproductions (batch 16 x 128 tokens).",
+        '"x less activations" = (baseline peak - fixed) / (peak - fixed), fixed = parameters, gradients and',
+        "optimizer state. The gpt2 and llama rows are the real-models issue's reproductions (batch 16 x 128",
+        "tokens).",
         "",
         f"| workload | baseline | {' | '.join(families)} | measured | error | x less activations | overhead "
         "(predicted) | gradients |",

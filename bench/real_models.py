@@ -256,6 +256,33 @@ HELD_OUT: dict[str, tuple[str, dict, int, tuple[int, ...] | None]] = {
         4,
         (3, 112, 112),
     ),
+    # Vision families run first on 12-07: dense concatenation, channel shuffle, and random
+    # drop paths and dropout that every recompute must replay exactly.
+    "densenet121": ("densenet121", {"num_classes": 10}, 4, (3, 64, 64)),
+    "shufflenet": ("shufflenet_v2_x0_5", {"num_classes": 10}, 4, (3, 64, 64)),
+    "mnasnet": ("mnasnet0_5", {"num_classes": 10}, 4, (3, 64, 64)),
+    "efficientnet_sd": ("efficientnet_b0", {"num_classes": 10, "stochastic_depth_prob": 0.3}, 16, (3, 96, 96)),
+    "resnet18_droppath": (
+        "timm:resnet18",
+        {"num_classes": 10, "drop_path_rate": 0.1, "drop_rate": 0.2},
+        16,
+        (3, 128, 128),
+    ),
+    "vit_dropout": (
+        "timm:vit_tiny_patch16_224",
+        {
+            "num_classes": 10,
+            "depth": 4,
+            "img_size": 128,
+            "drop_path_rate": 0.1,
+            "drop_rate": 0.1,
+            "attn_drop_rate": 0.1,
+        },
+        8,
+        (3, 128, 128),
+    ),
+    "convnext_droppath": ("timm:convnext_atto", {"num_classes": 10, "drop_path_rate": 0.2}, 8, (3, 64, 64)),
+    "regnet": ("timm:regnetx_002", {"num_classes": 10}, 4, (3, 64, 64)),
 }
 
 
@@ -376,7 +403,9 @@ def _markdown(rows: list[dict]) -> str:
             "## Held out: families the tests do not contain",
             "",
             "The same loop on `HELD_OUT` in `bench/real_models.py`, run by this script only: MoE routing",
-            "(Mixtral), shared layers (ALBERT), windowed attention (Swin), more decoders and encoders.",
+            "(Mixtral), shared layers (ALBERT), windowed attention (Swin), more decoders and encoders, and",
+            "vision families: dense concatenation (DenseNet), channel shuffle (ShuffleNet), random drop paths",
+            "and dropout (EfficientNet's stochastic depth, timm's ResNet, ViT and ConvNeXt).",
             "",
             *_HEADER,
             *_table_rows(held_out),

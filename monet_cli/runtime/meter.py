@@ -76,8 +76,7 @@ class LiveStorageMeter(TorchDispatchMode):
     # -- registration -------------------------------------------------------------
     def register(self, tensors: Iterable[torch.Tensor], kind: str = "other") -> None:
         """Count storages that already exist when measuring starts."""
-        for tensor in tensors:
-            self.track(tensor, kind=kind, producer=None)
+        self.track_resident((tensor, kind) for tensor in tensors)
 
     def track_resident(self, resident: Iterable[tuple[torch.Tensor, str]]) -> None:
         """Count what a workload keeps between steps (``Workload.resident_tensors``). Pass the

@@ -46,9 +46,10 @@ def test_bench_smoke(tmp_path: Path):
 def test_reach_bench_measures_each_family_floor(tmp_path: Path):
     from bench.reach import measure
 
-    row = measure("gpt", time_limit_s=10, workers=1)
+    row = measure("gpt", time_limit_s=10, workers=1, gap=0.01)
     floors = [f["peak_bytes"] for f in row["floors"]]
     assert floors[-1] <= floors[0] < row["baseline_peak_bytes"]
+    assert row["floor_solve"]["status"] in ("OPTIMAL", "FEASIBLE")  # the plan run is solved at the floor
     assert row["within_budget"] and row["check_ok"] and abs(row["error"]) <= 0.02
     text = render([], None, None, {"rows": [row]}, tmp_path / "img")
     assert "## Reach" in text and "| gpt |" in text and "- gpt: " in text

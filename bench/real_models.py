@@ -353,7 +353,7 @@ def _row(name: str, result: CaseResult, precision: str, seconds: float) -> dict:
                 "predicted_peak_bytes": r.predicted_peak_bytes,
                 "measured_peak_bytes": r.measured_peak_bytes,
                 "within_budget": r.within_budget,
-                "error": round((r.predicted_peak_bytes - r.measured_peak_bytes) / r.measured_peak_bytes, 6),
+                "error": round(r.prediction_error, 6),
                 "grads_equal": bool(r.check and r.check.ok),
                 "segments": len(run.schedule.segments),
                 "chains": len(run.schedule.chains),

@@ -668,3 +668,14 @@ def test_keeping_an_op_saves_what_the_simulator_says_whatever_its_code_scale(enu
         best = min(r.added_ms for r, _ in scored if r.peak_bytes <= budget)
         outcome = planner.solve(budget, time_limit_s=20, workers=1, seed=0)
         assert outcome.status == "OPTIMAL" and outcome.result.added_ms == pytest.approx(best, abs=0.01)
+
+
+def test_op_ranges_leave_the_level_plans_as_the_module_tree_has_them(enumerable):
+    """Checkpointing every module at one depth is what people do by hand, and the warm start's
+    first try: the ranges a model offers must not move its calls to other depths (they did,
+    12-01 to 12-07: resnet50's lowest level plan was 'depth-30', four calls of three stages)."""
+    from monet_cli.core.solver.heuristics import level_plans
+
+    profile, model, _ = enumerable
+    assert model.ranges
+    assert level_plans(model) == level_plans(SegmentModel(profile, offer_ranges=False))

@@ -20,7 +20,10 @@ def level_plans(model: SegmentModel) -> dict[str, Plan]:
     for c in model.segments:
         if c in model.ranges:
             continue  # ranges of one module cross each other: not a level of the tree
-        depths.setdefault(len(model.ancestors[c]), []).append(c)
+        # The ranges enclosing a call are not levels either: counted, every block of a
+        # ResNet stage would sit at another depth.
+        depth = sum(1 for a in model.ancestors[c] if a not in model.ranges)
+        depths.setdefault(depth, []).append(c)
     return {f"depth-{d}": {c: frozenset() for c in calls} for d, calls in sorted(depths.items())}
 
 

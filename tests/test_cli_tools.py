@@ -258,6 +258,11 @@ def test_no_solution_in_time_is_exit_4(solved, monkeypatch):
         lambda *a, **k: CpResult(status="UNKNOWN", plan=None, objective=None, bound=None, wall_s=0.0),
     )
     monkeypatch.setattr(search, "best_heuristic", lambda linear, budget: ("none", {}, False))
+    monkeypatch.setattr(
+        search,
+        "lower_peak",
+        lambda linear, plan, budget, *, deadline: (plan, search.simulate(linear.model.profile, plan)),
+    )
     result = monet(
         "solve",
         str(root / "configs" / "skip.profile.yaml"),

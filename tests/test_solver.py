@@ -291,10 +291,56 @@ def test_schedule_files_hold_nested_pairs_and_refuse_other_overlaps(two_branch, 
     assert "nest deeper than 3 levels" in consistency_problem(edited)
 
 
-def test_a_given_plan_that_fits_is_kept_when_the_solver_has_no_time(two_branch):
-    """Near the smallest peak the level plans do not fit; a caller's plan that does (the
-    smallest peak's) is returned, labelled, instead of nothing."""
+def _no_lowering(monkeypatch):
+    """``lower_peak`` adds nothing: the solve's later fallbacks are what a test then sees."""
+    from monet_cli.core.solver import search
+
+    def unchanged(linear, plan, budget_bytes, *, deadline):
+        return plan, simulate(linear.model.profile, plan, model=linear.model)
+
+    monkeypatch.setattr(search, "lower_peak", unchanged)
+
+
+def test_lowering_the_peak_adds_segments_where_memory_is_highest(two_branch, enumerable):
+    """From no segments, at budgets from the smallest peak up: the plan runs, the simulation
+    returned is its own, and it fits wherever the greedy gets there (on these profiles: at every
+    budget, the smallest peak included); with no time left it returns its start unchanged."""
+    import time
+
+    from monet_cli.core.simulate import nesting_problem
+    from monet_cli.core.solver.heuristics import lower_peak
+
+    for _, model, scored in (two_branch, enumerable):
+        linear = Planner(model).linear
+        peaks = sorted({r.peak_bytes for r, _ in scored})
+        for budget in (peaks[0], peaks[len(peaks) // 4], peaks[len(peaks) // 2]):
+            plan, result = lower_peak(linear, {}, budget, deadline=time.perf_counter() + 60)
+            assert not nesting_problem(model, plan) and result == simulate(model.profile, plan, model=model)
+            assert result.peak_bytes <= budget, (budget, plan)
+        assert lower_peak(linear, {}, peaks[0], deadline=time.perf_counter())[0] == {}
+
+
+def test_a_short_time_limit_still_finds_a_plan_where_no_level_plan_fits(two_branch, monkeypatch):
+    """CP-SAT finds nothing (resnet50 at 50% with a 2 s limit, 12-07: exit 4 before): the plan
+    the warm start lowered to fit is returned, labelled, and nothing is proven."""
+    from monet_cli.core.solver import search
+    from monet_cli.core.solver.cpsat import CpResult
+
     profile, model, scored = two_branch
+    budget = min(r.peak_bytes for r, _ in scored)
+    assert all(simulate(profile, plan, model=model).peak_bytes > budget for plan in level_plans(model).values())
+    nothing = CpResult(status="UNKNOWN", plan=None, objective=None, bound=None, wall_s=0.0)
+    monkeypatch.setattr(search, "solve_model", lambda cp, variables, **kwargs: nothing)
+    outcome = Planner(model).solve(budget, time_limit_s=10, workers=1, seed=0)
+    assert outcome.status == "FEASIBLE" and outcome.method.startswith("heuristic (none+lower-peak)"), outcome
+    assert outcome.result.peak_bytes <= budget and outcome.bound_ms is None
+
+
+def test_a_given_plan_that_fits_is_kept_when_the_solver_has_no_time(two_branch, monkeypatch):
+    """Near the smallest peak the level plans do not fit, nor does lowering their peak; a
+    caller's plan that does (the smallest peak's) is returned, labelled, instead of nothing."""
+    profile, model, scored = two_branch
+    _no_lowering(monkeypatch)
     planner = Planner(model)
     lowest = planner.minimum_peak(time_limit_s=10, workers=1, seed=0)
     without = planner.solve(lowest.peak_bytes, time_limit_s=0.01, workers=1, seed=0)
@@ -304,13 +350,15 @@ def test_a_given_plan_that_fits_is_kept_when_the_solver_has_no_time(two_branch):
 
 
 def test_near_the_smallest_peak_the_solver_starts_from_that_peak_s_plan(two_branch, monkeypatch):
-    """No level plan fits and CP-SAT finds no plan for the budget in time (resnet50 at 96 px, its
-    smallest peak and 0.5% above it, 10 s): the solve searches the smallest peak itself and
+    """No level plan fits, lowering their peak does not make one fit, and CP-SAT finds no plan
+    for the budget in time (resnet50 at 96 px, its smallest peak and 0.5% above it, 10 s): the
+    solve searches the smallest peak itself and
     returns its plan, labelled, rather than telling the user to raise the time limit."""
     from monet_cli.core.solver import search
     from monet_cli.core.solver.cpsat import CpResult
 
     profile, model, scored = two_branch
+    _no_lowering(monkeypatch)
     planner = Planner(model)
     lowest = planner.minimum_peak(time_limit_s=10, workers=1, seed=0)
     solve_model = search.solve_model

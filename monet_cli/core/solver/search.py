@@ -227,54 +227,46 @@ class Planner:
         self, budget_bytes: int, hint: Hint | None, search_s: float, workers: int, seed: int, report: Report
     ) -> tuple[str, tuple[Plan, Variants, SimResult] | None, Hint]:
         """The fastest start that fits: the best heuristic's plan or the caller's ``hint``. When
-        neither fits, no segments or the lowest level plan with segments added until one fits
-        (``lower_peak``), else the smallest peak's plan, all searched within ``search_s``:
-        without a plan to start from, CP-SAT alone may find none in time, and a user would be
-        told to raise the time limit for a budget that can be met (resnet50 at 50% with a 2 s
-        limit, 12-07).
-        Returns its name, the start with its simulation (None when nothing fits) and the hint
-        for CP-SAT."""
+        neither fits, segments added where the step's memory is highest until it fits
+        (``lower_peak``), else the smallest peak's plan searched from there, both within
+        ``search_s``: without a plan to start from, CP-SAT alone may find none in time, and a
+        user would be told to raise the time limit for a budget that can be met (resnet50 at
+        50% with a 2 s limit, 12-07). Returns its name, the start with its simulation (None
+        when nothing fits) and the hint for CP-SAT."""
         searched_by = time.perf_counter() + search_s
         name, heuristic, fits = best_heuristic(self.linear, budget_bytes)
         report(f"warm start: {name} ({'fits' if fits else 'over budget'})")
         best = (heuristic, frozenset(), self._simulate(heuristic, frozenset())) if fits else None
         if hint is not None:
             name, best = self._better(budget_bytes, "given plan", hint, name, best)
-        if best is None:
-            lowered_name, lowered = self._lowered(budget_bytes, {"none": {}, name: heuristic}, searched_by, report)
-            if lowered is not None:
-                name, best, hint = lowered_name, lowered, lowered[:2]
-        if best is None:
-            remaining = max(searched_by - time.perf_counter(), 0.0)
-            lowest = self.minimum_peak(time_limit_s=remaining, workers=workers, seed=seed, enough_bytes=budget_bytes)
-            fits = lowest.peak_bytes <= budget_bytes
-            report(
-                f"warm start: the smallest peak found, {format_bytes(lowest.peak_bytes)} "
-                f"({'fits' if fits else 'over budget'})"
-            )
-            if fits:
-                hint = (lowest.plan, lowest.variants)
-                name, best = self._better(budget_bytes, "smallest peak", hint, name, best)
-        return name, best, hint if hint is not None else (heuristic, frozenset())
-
-    def _lowered(
-        self, budget_bytes: int, starts: dict[str, Plan], deadline: float, report: Report
-    ) -> tuple[str, tuple[Plan, Variants, SimResult] | None]:
-        """The fastest of ``starts`` (by name) with segments added until it fits (``lower_peak``),
-        if one does. Neither start is better everywhere (shipped profiles, 12-07): from no
-        segments resnet50 reaches 498 MiB, from every block 565 MiB; mobilenet_v2 reaches the
-        same peak from both, at +29.1% against +50.5%."""
-        name, best = "", None
-        for start_name, start in starts.items():
-            plan, result = lower_peak(self.linear, start, budget_bytes, deadline=deadline)
-            fits = result.peak_bytes <= budget_bytes
-            report(
-                f"warm start: {start_name} with segments added, {format_bytes(result.peak_bytes)} "
-                f"({'fits' if fits else 'over budget'})"
-            )
-            if fits_faster(result, budget_bytes, None if best is None else best[2]):
-                name, best = f"{start_name}+lower-peak", (plan, frozenset(), result)
-        return name, best
+        if best is not None:
+            return name, best, hint if hint is not None else (heuristic, frozenset())
+        # From no segments: from the lowest level plan it stopped higher on every shipped
+        # profile, or as high and slower (12-07).
+        lowered, result = lower_peak(self.linear, {}, budget_bytes, deadline=searched_by)
+        fits = result.peak_bytes <= budget_bytes
+        report(
+            f"warm start: segments added where memory is highest, {format_bytes(result.peak_bytes)} "
+            f"({'fits' if fits else 'over budget'})"
+        )
+        if fits:
+            return "lower-peak", (lowered, frozenset(), result), (lowered, frozenset())
+        lowest = self.minimum_peak(
+            time_limit_s=max(searched_by - time.perf_counter(), 0.0),
+            workers=workers,
+            seed=seed,
+            enough_bytes=budget_bytes,
+            start=lowered,
+        )
+        fits = lowest.peak_bytes <= budget_bytes
+        report(
+            f"warm start: the smallest peak found, {format_bytes(lowest.peak_bytes)} "
+            f"({'fits' if fits else 'over budget'})"
+        )
+        if not fits:
+            return name, None, hint if hint is not None else (heuristic, frozenset())
+        found = (lowest.plan, lowest.variants)
+        return "smallest peak", (*found, self._simulate(*found)), found
 
     def _better(
         self, budget_bytes: int, name: str, hint: Hint, best_name: str, best: tuple[Plan, Variants, SimResult] | None
@@ -345,22 +337,27 @@ class Planner:
             rounds=rounds,
         )
 
-    def minimum_peak(self, *, time_limit_s: float, workers: int, seed: int, enough_bytes: int = 0) -> MinimumPeak:
+    def minimum_peak(
+        self, *, time_limit_s: float, workers: int, seed: int, enough_bytes: int = 0, start: Plan | None = None
+    ) -> MinimumPeak:
         """The lowest simulated peak found: CP-SAT minimising the peak of the lazily grown
-        linear model, each answer checked by simulation, and the heuristic's lowest plan, less
-        the segments and variants that peak does not need (``descend``). Stops early at a plan
-        whose peak is at most ``enough_bytes``, and then returns it as found."""
-        start = time.perf_counter()
+        linear model, each answer checked by simulation, and the heuristic's lowest plan (or
+        ``start``, where lower: CP-SAT's hint), less the segments and variants that peak does
+        not need (``descend``). Stops early at a plan whose peak is at most ``enough_bytes``,
+        and then returns it as found."""
+        began = time.perf_counter()
         _, heuristic, _ = best_heuristic(self.linear, 0)
-        candidates = [(self._simulate(plan, frozenset()), plan, frozenset()) for plan in ({}, heuristic)]
+        plans = ({}, heuristic) if start is None else ({}, heuristic, start)
+        candidates = [(self._simulate(plan, frozenset()), plan, frozenset()) for plan in plans]
+        hint = min(candidates[1:], key=lambda candidate: candidate[0].peak_bytes)[1]
         rows = self._highest_rows()
         lower_bound = 0
         for _ in range(MAX_ROUNDS):
-            remaining = time_limit_s - (time.perf_counter() - start)
+            remaining = time_limit_s - (time.perf_counter() - began)
             if remaining <= 0.05 or min(result.peak_bytes for result, _, _ in candidates) <= enough_bytes:
                 break
             cp, variables = build_model(self.model, rows, budget_bytes=None, min_peak=True, variants=self.offered)
-            add_hint(cp, self.model, variables, heuristic)
+            add_hint(cp, self.model, variables, hint)
             cp_result = solve_model(cp, variables, time_limit_s=remaining, workers=workers, seed=seed)
             if cp_result.bound is not None:  # the rows are a subset of the model's: their bound holds
                 lower_bound = max(lower_bound, peak_lower_bound(rows, cp_result.bound))
@@ -381,7 +378,7 @@ class Planner:
         if not enough_bytes:  # a solve's warm start (``enough_bytes``) descends at its budget instead
             # Minimising the peak alone checkpoints whatever does not raise it: keep what it needs.
             plan, variants, result = descend(
-                self.model, (plan, variants, result), result.peak_bytes, deadline=start + time_limit_s
+                self.model, (plan, variants, result), result.peak_bytes, deadline=began + time_limit_s
             )
         peak = result.peak_bytes
         return MinimumPeak(

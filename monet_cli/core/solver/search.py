@@ -40,6 +40,11 @@ from monet_cli.core.units import format_bytes
 MAX_ROUNDS = 40
 LAZY_ROWS = 64
 """Rows the model starts with, and at most this many more per round."""
+LOWER_PEAK_S = 2.0
+"""The most of a warm start's search that adding segments (``lower_peak``) may take: on
+resnet50 (batch 32, 128 px) it fits or stops within 1 s, but on a 32-layer LLaMA-style decoder
+(hidden 128) at 45% of its peak, below the smallest one, it ran 56 rounds over 13.6 s before it
+stopped, where the solve had proved that budget infeasible in 4.7 s (12-07)."""
 Report = Callable[[str], None]
 Hint = tuple[Plan, Variants]
 """A plan and its operator variants that CP-SAT starts from."""
@@ -243,7 +248,8 @@ class Planner:
             return name, best, hint if hint is not None else (heuristic, frozenset())
         # From no segments: from the lowest level plan it stopped higher on every shipped
         # profile, or as high and slower (12-07).
-        lowered, result = lower_peak(self.linear, {}, budget_bytes, deadline=searched_by)
+        lowering_by = min(searched_by, time.perf_counter() + LOWER_PEAK_S)
+        lowered, result = lower_peak(self.linear, {}, budget_bytes, deadline=lowering_by)
         fits = result.peak_bytes <= budget_bytes
         report(
             f"warm start: segments added where memory is highest, {format_bytes(result.peak_bytes)} "

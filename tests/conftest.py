@@ -29,3 +29,16 @@ def resnet18_profile():
 @pytest.fixture(scope="session")
 def skip_cnn_profile():
     return profile_model(small_spec("tests.models_for_tests:skip_cnn"), torch.device("cpu"), steps=1)
+
+
+@pytest.fixture
+def no_lowering(monkeypatch):
+    """The warm start's ``lower_peak`` adds nothing, so a test sees the solve's later fallbacks
+    (on the small test profiles it reaches the smallest peak)."""
+    from monet_cli.core.simulate import simulate
+    from monet_cli.core.solver import search
+
+    def unchanged(linear, plan, budget_bytes, *, deadline):
+        return plan, simulate(linear.model.profile, plan, model=linear.model)
+
+    monkeypatch.setattr(search, "lower_peak", unchanged)

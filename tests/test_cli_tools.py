@@ -247,7 +247,7 @@ def test_non_monotonic_points_are_flagged():
     assert [r.get("non_monotonic", False) for r in rows] == [False, True, False]
 
 
-def test_no_solution_in_time_is_exit_4(solved, monkeypatch):
+def test_no_solution_in_time_is_exit_4(solved, monkeypatch, no_lowering):
     from monet_cli.core.solver import search
     from monet_cli.core.solver.cpsat import CpResult
 
@@ -258,11 +258,6 @@ def test_no_solution_in_time_is_exit_4(solved, monkeypatch):
         lambda *a, **k: CpResult(status="UNKNOWN", plan=None, objective=None, bound=None, wall_s=0.0),
     )
     monkeypatch.setattr(search, "best_heuristic", lambda linear, budget: ("none", {}, False))
-    monkeypatch.setattr(
-        search,
-        "lower_peak",
-        lambda linear, plan, budget, *, deadline: (plan, search.simulate(linear.model.profile, plan)),
-    )
     result = monet(
         "solve",
         str(root / "configs" / "skip.profile.yaml"),

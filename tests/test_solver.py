@@ -291,16 +291,6 @@ def test_schedule_files_hold_nested_pairs_and_refuse_other_overlaps(two_branch, 
     assert "nest deeper than 3 levels" in consistency_problem(edited)
 
 
-def _no_lowering(monkeypatch):
-    """``lower_peak`` adds nothing: the solve's later fallbacks are what a test then sees."""
-    from monet_cli.core.solver import search
-
-    def unchanged(linear, plan, budget_bytes, *, deadline):
-        return plan, simulate(linear.model.profile, plan, model=linear.model)
-
-    monkeypatch.setattr(search, "lower_peak", unchanged)
-
-
 def test_lowering_the_peak_adds_segments_where_memory_is_highest(two_branch, enumerable):
     """From no segments, at budgets from the smallest peak up: the plan runs, the simulation
     returned is its own, and it fits wherever the greedy gets there (on these profiles: at every
@@ -336,11 +326,11 @@ def test_a_short_time_limit_still_finds_a_plan_where_no_level_plan_fits(two_bran
     assert outcome.result.peak_bytes <= budget and outcome.bound_ms is None
 
 
-def test_a_given_plan_that_fits_is_kept_when_the_solver_has_no_time(two_branch, monkeypatch):
-    """Near the smallest peak the level plans do not fit, nor does lowering their peak; a
-    caller's plan that does (the smallest peak's) is returned, labelled, instead of nothing."""
+def test_a_given_plan_that_fits_is_kept_when_the_solver_has_no_time(two_branch, no_lowering):
+    """Near the smallest peak neither a level plan nor segments added where memory is highest
+    fit; a caller's plan that does (the smallest peak's) is returned, labelled, instead of
+    nothing."""
     profile, model, scored = two_branch
-    _no_lowering(monkeypatch)
     planner = Planner(model)
     lowest = planner.minimum_peak(time_limit_s=10, workers=1, seed=0)
     without = planner.solve(lowest.peak_bytes, time_limit_s=0.01, workers=1, seed=0)
@@ -349,16 +339,15 @@ def test_a_given_plan_that_fits_is_kept_when_the_solver_has_no_time(two_branch, 
     assert given.plan == lowest.plan and given.status == "FEASIBLE" and given.method == "heuristic (given plan)"
 
 
-def test_near_the_smallest_peak_the_solver_starts_from_that_peak_s_plan(two_branch, monkeypatch):
-    """No level plan fits, lowering their peak does not make one fit, and CP-SAT finds no plan
-    for the budget in time (resnet50 at 96 px, its smallest peak and 0.5% above it, 10 s): the
-    solve searches the smallest peak itself and
-    returns its plan, labelled, rather than telling the user to raise the time limit."""
+def test_near_the_smallest_peak_the_solver_starts_from_that_peak_s_plan(two_branch, monkeypatch, no_lowering):
+    """Neither a level plan nor segments added where memory is highest fit, and CP-SAT finds
+    no plan for the budget in time (resnet50 at 96 px, its smallest peak and 0.5% above it,
+    10 s): the solve searches the smallest peak itself and returns its plan, labelled, rather
+    than telling the user to raise the time limit."""
     from monet_cli.core.solver import search
     from monet_cli.core.solver.cpsat import CpResult
 
     profile, model, scored = two_branch
-    _no_lowering(monkeypatch)
     planner = Planner(model)
     lowest = planner.minimum_peak(time_limit_s=10, workers=1, seed=0)
     solve_model = search.solve_model

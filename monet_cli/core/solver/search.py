@@ -244,8 +244,9 @@ class Planner:
         best = (heuristic, frozenset(), self._simulate(heuristic, frozenset())) if fits else None
         if hint is not None:
             name, best = self._better(budget_bytes, "given plan", hint, name, best)
+        given_hint = hint if hint is not None else (heuristic, frozenset())
         if best is not None:
-            return name, best, hint if hint is not None else (heuristic, frozenset())
+            return name, best, given_hint
         # From no segments: from the lowest level plan it stopped higher on every shipped
         # profile, or as high and slower (12-07).
         lowering_by = min(searched_by, time.perf_counter() + LOWER_PEAK_S)
@@ -270,7 +271,7 @@ class Planner:
             f"({'fits' if fits else 'over budget'})"
         )
         if not fits:
-            return name, None, hint if hint is not None else (heuristic, frozenset())
+            return name, None, given_hint
         found = (lowest.plan, lowest.variants)
         return "smallest peak", (*found, self._simulate(*found)), found
 

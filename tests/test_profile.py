@@ -500,7 +500,8 @@ def test_checkpoint_s_frame_and_policy_are_priced_in_the_step(resnet18_profile, 
     adds a known cost for each.
 
     Each set runs as a schedule runs it: the executor's checkpointed forward, its BatchNorms
-    guarded while it runs and unguarded after.
+    guarded while it runs and unguarded after, and the schedule's checks on every training
+    forward registered on the root (here 0.2 ms of the once's 0.9).
 
     The machine runs twice as slow as in the profile's steps, but its forwards only 1.5 times:
     each set's recomputes are priced at the calls' walls timed in plain steps between its
@@ -537,6 +538,7 @@ def test_checkpoint_s_frame_and_policy_are_priced_in_the_step(resnet18_profile, 
     workload = build_workload(small_spec(), CPU)
     modules = dict(workload.model.named_modules())
     swapped_together: set[frozenset[str]] = set()
+    guarded_when: set[tuple[frozenset[str], bool]] = set()
     policies: set[frozenset[str]] = set()
     steps_run = [0]
 
@@ -558,14 +560,17 @@ def test_checkpoint_s_frame_and_policy_are_priced_in_the_step(resnet18_profile, 
                 ms += 0.03 * 2 * (seg.end_op - seg.first_op)
                 policies.add(frozenset(swapped()))
         ms += 0.7 if swapped() else 0.0
+        guarded = bool(workload.model._forward_pre_hooks)
+        ms += 0.2 if guarded else 0.0
         swapped_together.add(frozenset(swapped()))
+        guarded_when.add((frozenset(swapped()), guarded))
         taken = sorted((model.segments[index[n]].first_op, model.segments[index[n]].end_op) for n in swapped())
         assert all(end <= start for (_, end), (start, _) in zip(taken, taken[1:])), "nested calls checkpointed at once"
         return step_speed * ms + priced_now
 
     monkeypatch.setattr(workload, "timed_step", step)
     priced = in_step.price_in_step(workload, profile, 3)
-    assert priced.first_frame_ms == pytest.approx(0.7, abs=1e-5)
+    assert priced.first_frame_ms == pytest.approx(0.9, abs=1e-5)
     assert priced.segment_ms == pytest.approx(profile.overheads.segment_ms + 0.5, abs=1e-5)
     assert priced.python_op_ms == pytest.approx(0.004, abs=1e-6)
     assert priced.policy_op_ms == pytest.approx(0.03, abs=1e-6)
@@ -573,7 +578,11 @@ def test_checkpoint_s_frame_and_policy_are_priced_in_the_step(resnet18_profile, 
     cheapest = {s for s in swapped_together - {frozenset()} - policies if s != largest}
     assert sorted(len(s) for s in cheapest) == [in_step.FEW_FRAMES, in_step.FRAMES]
     assert {"layer1", "layer4", "fc"} <= largest
+    assert all((s, True) in guarded_when and (s, False) not in guarded_when for s in cheapest)
+    assert (largest, True) in guarded_when  # and unguarded: the policy pairs it with plain checkpoint
+    assert (frozenset(), True) not in guarded_when
     assert not swapped(), "forwards left swapped"
+    assert not workload.model._forward_pre_hooks, "the schedule's checks left on the root"
     assert not any(getattr(m, "_monet_guarded", False) or m._forward_hooks for m in modules.values())
     # 3 timed steps: 30 pairs a measurement. The three sets take the steps of three measurements,
     # walls steps included, in rounds of four steps; the policy pairs on its own.

@@ -144,8 +144,20 @@ def test_torch_checkpoint_wrapper_is_refused(gpt2_schedule):
 
     model = build_model(gpt2_schedule.model)
     apply_activation_checkpointing(model, check_fn=lambda m: m is model.transformer.h[0])
-    with pytest.raises(CheckpointConflictError, match="checkpoint_wrapper"):
+    with pytest.raises(CheckpointConflictError, match="'transformer.h.0' is wrapped by torch's checkpoint_wrapper"):
         monet_cli.apply(model, gpt2_schedule)
+
+
+def test_the_checkpointing_found_is_named_by_its_path_past_empty_child_slots():
+    from monet_cli.runtime.guards import existing_checkpointing
+
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Sequential(torch.nn.ReLU()))
+    model.register_module("absent", None)
+    assert existing_checkpointing(model) is None
+    model[1][0].grad_checkpointing = True
+    assert existing_checkpointing(model).startswith("'1.0' has timm gradient checkpointing on")
+    model.grad_checkpointing = True
+    assert existing_checkpointing(model).startswith("the model has timm")
 
 
 def test_timm_grad_checkpointing_is_refused():

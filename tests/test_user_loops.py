@@ -96,7 +96,7 @@ def test_a_second_training_forward_before_the_first_s_backward_is_refused(schedu
         return step
 
     with monkeypatch.context() as unchecked:
-        unchecked.setattr(guards._LoopGuard, "install", lambda *_: None)
+        unchecked.setattr(guards._LoopGuard, "install", lambda *_: [])
         workload = build()
         assert _peak(workload, two_forwards(workload), []) > schedule.predicted.peak_bytes
     refused = build()
@@ -125,7 +125,7 @@ def test_a_forward_returning_more_than_the_profiled_output_is_refused():
     assert schedule.fingerprint.output_bytes == 128 * 64 * 4  # the logits
     build = functools.partial(_scheduled, spec, schedule)
     with pytest.MonkeyPatch.context() as unchecked:
-        unchecked.setattr("monet_cli.runtime.executor.install_output_check", lambda *_: None)
+        unchecked.setattr("monet_cli.runtime.executor.install_output_check", lambda *_: [])
         workload, held = build(), []
         assert (
             _peak(workload, _holding_loop(workload, held, output_hidden_states=True), held)

@@ -178,12 +178,13 @@ class Overheads:
     enough to pair (``profiler/in_step.py``), else on a few of its calls alone
     (``profiler/alone.py``; a chain of tanh ops where none can run alone)."""
     first_frame_ms: float = 0.0
-    """What the step pays once when it checkpoints anything, beyond each frame's ``segment_ms``.
+    """What the step pays once when it checkpoints anything, beyond each frame's ``segment_ms``,
+    with the schedule's checks on every training forward (``runtime/guards.py``) since 12-07.
     On tiny_gpt (batch 16, this 2-core CPU) one checkpointed GELU added 1.2 ms to the step,
     two 1.7, three 2.2, four 2.9 and sixteen cheap calls 7.7: about 0.7 ms once and 0.45 a
-    frame. Timed in the model's own step where steps are short enough to pair, else 0: a call
-    timed alone pays it in its frame's price (``segment_ms``), as do profiles made before it
-    was measured."""
+    frame; the checks 0.2 to 0.6 ms. Timed in the model's own step where steps are short
+    enough to pair, else 0: a call timed alone pays it in its frame's price (``segment_ms``),
+    without the checks, as do profiles made before it was measured."""
     saved_tensor_ms: float = 0.0
     """Each tensor autograd saves inside a segment: the frame's pack hook in the forward and
     again in the recompute, and its unpack. Profiles made before it was measured say 0 (their

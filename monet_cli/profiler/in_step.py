@@ -12,7 +12,8 @@ blocks were priced right and small segments (a LayerNorm and a Linear, an MLP) t
 solver chose many small segments and the step ran 8 to 12 points slower than predicted.
 
 So the step itself is timed with module calls checkpointed as a schedule runs them (the
-executor's ``checkpointed_forward``, their BatchNorms guarded), interleaved with plain steps.
+executor's ``checkpointed_forward``, their BatchNorms guarded, the schedule's checks on every
+training forward registered on the root), interleaved with plain steps.
 Priced on ``torch.utils.checkpoint`` alone, the unet's schedule of every block ran 1.5 to 2.0%
 of the step slower than PyTorch's checkpoint of the same blocks in two runs of 61 and 201
 interleaved repeats (12-05; 90% intervals -1.7 to +5.0% and -1.4 to +5.2%), and its
@@ -69,12 +70,14 @@ from dataclasses import replace
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from monet_cli.core.profile import Overheads, Profile
 from monet_cli.core.segments import SegmentModel
 from monet_cli.profiler.alone import keeping_nothing
 from monet_cli.profiler.capture import CallTimer, Timings, retimed
 from monet_cli.runtime.executor import guard_batchnorms
+from monet_cli.runtime.guards import install_guards, install_output_check
 from monet_cli.workload.step import Workload
 
 FRAMES = 16
@@ -110,10 +113,13 @@ def price_in_step(workload: Workload, profile: Profile, steps: int) -> Overheads
 
     sets = [cheapest[:FEW_FRAMES], cheapest, largest] if FEW_FRAMES < len(cheapest) else [cheapest, largest]
     toggles = {c: _Toggle(modules[model.calls[c].fqn]) for c in dict.fromkeys(c for calls in sets for c in calls)}
+    guards = _Guards(workload.model, profile)
     walls = Timings()
     try:
-        added_ms = _interleaved(workload, [_toggles([toggles[c] for c in calls]) for calls in sets], pairs, walls)
+        switches = [_toggles([guards, *(toggles[c] for c in calls)]) for calls in sets]
+        added_ms = _interleaved(workload, switches, pairs, walls)
     finally:
+        guards.set(False)
         for toggle in toggles.values():
             toggle.close()
     measured = [_Checkpointed(unpriced, walls, calls, ms) for calls, ms in zip(sets, added_ms, strict=True)]
@@ -286,7 +292,30 @@ class _Toggle:
         self.unguard()
 
 
-def _toggles(toggles: list[_Toggle]) -> Callable[[bool], None]:
+class _Guards:
+    """The checks a schedule runs on every training forward (``runtime/guards.py``), on or
+    off. Each set runs with them, so what the step pays once holds their cost: on tiny_gpt
+    (batch 16, 12-07) a schedule of no segment ran 0.2 to 0.6 ms a step slower than the
+    prepared model without it, in six interleaved measurements of 61 to 101 repeats."""
+
+    def __init__(self, model: nn.Module, profile: Profile) -> None:
+        self.model = model
+        self.profile = profile
+        self.handles: list[RemovableHandle] = []
+
+    def set(self, on: bool) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+        if on:
+            # Without the hook check: each switch registers hooks, so the check would compare
+            # the model's hooks on every step, where a schedule compares them once.
+            fingerprint = self.profile.fingerprint
+            self.handles = install_guards(self.model, fingerprint, self.profile.model, check_hooks=False)
+            self.handles += install_output_check(self.model, fingerprint)
+
+
+def _toggles(toggles: list[_Toggle | _Guards]) -> Callable[[bool], None]:
     def switch(second: bool) -> None:
         for toggle in toggles:
             toggle.set(second)

@@ -56,7 +56,7 @@ def apply_schedule(model: nn.Module, schedule: Schedule | str | Path, *, check_f
     warn_if_untested_torch()
     _warn_if_other_allocator(schedule)
     refuse_existing_checkpointing(model)
-    install_guards(model, schedule, check_hooks=check_fingerprint)
+    install_guards(model, schedule.fingerprint, schedule.model, check_hooks=check_fingerprint)
     if turn_off_kv_cache(model):
         warnings.warn(
             "monet: set model.config.use_cache = False for training, as transformers' own gradient "
@@ -88,7 +88,7 @@ def apply_schedule(model: nn.Module, schedule: Schedule | str | Path, *, check_f
     install_offloads([_module(modules, o.module) for o in schedule.offloads], schedule.offloads, marker)
     if check_fingerprint:
         FirstForwardCheck(model, schedule.fingerprint, marker).install()
-    install_output_check(model, schedule)
+    install_output_check(model, schedule.fingerprint)
     setattr(model, _APPLIED, schedule)
     setattr(model, _MACHINERY, marker)
     return model

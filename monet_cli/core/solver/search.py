@@ -105,9 +105,9 @@ def _quiet(message: str) -> None:
     pass
 
 
-def _cp_sat(unit: int | None) -> str:
-    """The method of an answer CP-SAT found, in rows of ``unit`` bytes (None: not yet set)."""
-    return "cp-sat (rows in bytes)" if unit == 1 else "cp-sat"
+def _cp_sat(in_bytes: bool) -> str:
+    """The method of an answer CP-SAT found, its memory rows in bytes or in rounded units."""
+    return "cp-sat (rows in bytes)" if in_bytes else "cp-sat"
 
 
 class Planner:
@@ -150,12 +150,13 @@ class Planner:
         # The budget of the linear model, which adds up requests: lowered where the allocator's
         # unsplit blocks put an answer over the budget (CUDA), so nothing proven is then optimal.
         linear_budget = budget_bytes
-        status, objective, bound, rounds, unit = "UNKNOWN", None, None, 0, None
+        status, objective, bound, rounds = "UNKNOWN", None, None, 0
+        in_bytes = False  # rows in whole bytes: no rounding, and no proof claimed
         for rounds in range(1, MAX_ROUNDS + 1):
             remaining = time_limit_s - (time.perf_counter() - start)
             if remaining <= 0.05:
                 break
-            rounded = unit or memory_unit(rows, linear_budget)
+            rounded = 1 if in_bytes else memory_unit(rows, linear_budget)
             cp, variables = build_model(
                 self.model, rows, budget_bytes=linear_budget, variants=self.offered, unit=rounded
             )
@@ -167,7 +168,7 @@ class Planner:
                 workers=workers,
                 seed=seed,
                 relative_gap=relative_gap,
-                on_incumbent=lambda obj, bnd, t, in_bytes=unit == 1: report(
+                on_incumbent=lambda obj, bnd, t, in_bytes=in_bytes: report(
                     f"incumbent {obj / 1000:.3f} ms added"
                     + ("" if in_bytes else f", bound {bnd / 1000:.3f} ms")  # in bytes no bound is claimed
                     + f", {t:.1f}s"
@@ -177,20 +178,20 @@ class Planner:
             status = cp_result.status
             if cp_result.refused is None:
                 if cp_result.plan is None:
-                    if status == "INFEASIBLE" and best is not None and unit is None and rounded > 1:
+                    if status == "INFEASIBLE" and best is not None and not in_bytes and rounded > 1:
                         # Rows in whole units, rounded up, count each plan a little high: within
                         # that of the smallest peak they can leave no plan where the simulator
                         # has one (mobilenet_v2: +42.1% for its smallest peak's plan descended,
                         # +26.3% in bytes). In bytes no proof is claimed: the units are there
                         # because CP-SAT's bounds went wrong with numbers that large.
                         report(f"round {rounds}: no plan in rounded units; rows in bytes from here")
-                        unit, hint = 1, best[:2]
+                        in_bytes, hint = True, best[:2]
                         continue
                     break
                 result = self._simulate(cp_result.plan, cp_result.variants)
                 if result.peak_bytes <= budget_bytes:
                     objective, bound = cp_result.objective, cp_result.bound
-                    if linear_budget < budget_bytes or unit == 1:
+                    if linear_budget < budget_bytes or in_bytes:
                         status, bound = "FEASIBLE", None
                     best = (cp_result.plan, cp_result.variants, result)
                     break
@@ -199,7 +200,7 @@ class Planner:
                 over = cp_result.refused
                 if cp_result.plan is not None:  # the last incumbent that fit starts the next round
                     hint = (cp_result.plan, cp_result.variants)
-                    unproven, best = self._better(budget_bytes, _cp_sat(unit), hint, unproven, best)
+                    unproven, best = self._better(budget_bytes, _cp_sat(in_bytes), hint, unproven, best)
             refused = self._simulate(*over)
             lowered = self._lowered_budget(budget_bytes, linear_budget, refused)
             added = self._violated_rows(rows, *over, lowered)
@@ -226,7 +227,9 @@ class Planner:
             return self._outcome(plan, result, "FEASIBLE", unproven, result.added_ms, None, start, rounds, variants)
         plan, variants, result = best
         bound_ms = None if bound is None else bound / 1000
-        return self._outcome(plan, result, status, _cp_sat(unit), objective / 1000, bound_ms, start, rounds, variants)
+        return self._outcome(
+            plan, result, status, _cp_sat(in_bytes), objective / 1000, bound_ms, start, rounds, variants
+        )
 
     def _warm_start(
         self, budget_bytes: int, hint: Hint | None, search_s: float, workers: int, seed: int, report: Report

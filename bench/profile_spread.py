@@ -50,6 +50,7 @@ CONFIDENCE = 0.9
 PARTS = {
     "frames": ("segment_ms",),
     "once": ("first_frame_ms",),
+    "checks": ("checks_ms",),
     "saved tensors": ("saved_tensor_ms",),
     "re-run ops": ("python_op_ms",),
     "range tape": ("range_op_ms", "range_record_op_ms"),

@@ -77,7 +77,9 @@ def test_offload_rows_are_the_simulators_and_exclude_what_shares_their_tensors(r
         mask = linear.active_mask({})
         assert np.array_equal(linear.live({}, chosen)[mask], linear.predict({}, chosen)[mask])
         result = simulate(profile, {}, model=model, variants=chosen)
-        assert result.step_ms == pytest.approx(profile.baseline.step_ms + model.profile.variants[index].time_ms)
+        assert result.step_ms == pytest.approx(
+            profile.baseline.step_ms + model.profile.variants[index].time_ms + profile.overheads.checks_ms
+        )
         lowered += result.peak_bytes < base
     assert lowered
     # A call and its sub-call move the same tensors; a segment inside or around an offloaded
@@ -209,7 +211,7 @@ def test_copies_come_back_one_ahead_of_need_and_cost_only_the_waits(resnet18_pro
         return core_offload._cost_ms(replace(profile, transfer=transfer), plan)
 
     free = Transfer(fixed_ms=0.0, to_host_bytes_per_ms=1e15, to_device_bytes_per_ms=1e15)
-    assert cost(free) == pytest.approx(hooks_ms)
+    assert cost(free) == pytest.approx(hooks_ms, abs=1e-9)  # hooks_ms is 0 where the chain priced no saved tensor
     slow_back = replace(free, to_device_bytes_per_ms=1e3)  # 1 MB/s: backward waits for nearly every copy
     copies_back_ms = sum(sizes) / 1e3
     backward_ms = sum(op.time_ms for op in profile.backward)

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -500,8 +501,9 @@ def test_checkpoint_s_frame_and_policy_are_priced_in_the_step(resnet18_profile, 
     adds a known cost for each.
 
     Each set runs as a schedule runs it: the executor's checkpointed forward, its BatchNorms
-    guarded while it runs and unguarded after, and the schedule's checks on every training
-    forward registered on the root (here 0.2 ms of the once's 0.9).
+    guarded while it runs and unguarded after. The schedule's checks on every training forward
+    are registered on the root in every step of the rounds, the plain ones too, so their 0.2
+    ms here stays out of the once (0.7), and off in the steps that time the calls' walls.
 
     The machine runs twice as slow as in the profile's steps, but its forwards only 1.5 times:
     each set's recomputes are priced at the calls' walls timed in plain steps between its
@@ -529,6 +531,7 @@ def test_checkpoint_s_frame_and_policy_are_priced_in_the_step(resnet18_profile, 
 
         def step(self) -> tuple[float, list[float]]:
             assert not swapped(), "calls timed in a checkpointed step"
+            assert not workload.model._forward_pre_hooks, "calls timed with the schedule's checks on"
             walls_timed[0] += 1
             return step_speed * 10.0, walls
 
@@ -570,7 +573,7 @@ def test_checkpoint_s_frame_and_policy_are_priced_in_the_step(resnet18_profile, 
 
     monkeypatch.setattr(workload, "timed_step", step)
     priced = in_step.price_in_step(workload, profile, 3)
-    assert priced.first_frame_ms == pytest.approx(0.9, abs=1e-5)
+    assert priced.first_frame_ms == pytest.approx(0.7, abs=1e-5)
     assert priced.segment_ms == pytest.approx(profile.overheads.segment_ms + 0.5, abs=1e-5)
     assert priced.python_op_ms == pytest.approx(0.004, abs=1e-6)
     assert priced.policy_op_ms == pytest.approx(0.03, abs=1e-6)
@@ -580,7 +583,7 @@ def test_checkpoint_s_frame_and_policy_are_priced_in_the_step(resnet18_profile, 
     assert {"layer1", "layer4", "fc"} <= largest
     assert all((s, True) in guarded_when and (s, False) not in guarded_when for s in cheapest)
     assert (largest, True) in guarded_when  # and unguarded: the policy pairs it with plain checkpoint
-    assert (frozenset(), True) not in guarded_when
+    assert (frozenset(), True) in guarded_when
     assert not swapped(), "forwards left swapped"
     assert not workload.model._forward_pre_hooks, "the schedule's checks left on the root"
     assert not any(getattr(m, "_monet_guarded", False) or m._forward_hooks for m in modules.values())
@@ -600,16 +603,53 @@ def test_checkpoint_s_frame_and_policy_are_priced_in_the_step(resnet18_profile, 
     )
 
 
+def test_the_schedule_s_checks_are_timed_on_their_own_hooks(monkeypatch):
+    """``checks_ms`` is the time the schedule's checks take in a training forward: the hooks
+    between the timing hooks registered around them, and not the model's own root hooks
+    registered before (5 ms each way here). Switched off, the checks and the timing hooks are
+    gone and the model's own hooks stay."""
+    from monet_cli.profiler import in_step
+
+    def busy(ms: float):
+        def hook(*_args) -> None:
+            end = time.perf_counter() + ms / 1000.0
+            while time.perf_counter() < end:
+                pass
+
+        return hook
+
+    def checks(model, *_args, **_kwargs):
+        return [model.register_forward_pre_hook(busy(1.0)), model.register_forward_hook(busy(1.0))]
+
+    monkeypatch.setattr(in_step, "install_guards", checks)
+    monkeypatch.setattr(in_step, "install_output_check", lambda *_args: [])
+    model = torch.nn.Linear(4, 4)
+    model.register_forward_pre_hook(busy(5.0))
+    model.register_forward_hook(busy(5.0))
+    timed = in_step._TimedChecks(model, profile=SimpleNamespace(fingerprint=None, model=None))
+    timed.set(True)
+    for _ in range(5):
+        model(torch.ones(2, 4))
+    timed.set(False)
+    assert len(timed.forwards_s) == 5
+    assert 2.0 <= timed.median_ms() < 5.0
+    assert len(model._forward_pre_hooks) == len(model._forward_hooks) == 1
+
+
 def test_the_three_sets_are_timed_in_rotating_rounds_against_the_same_round_s_plain_step(monkeypatch):
     """Each round runs the plain step and every set once, the order rotated from round to
     round, and a set's difference is taken against the plain step of its own round: a machine
     slowing by 1 ms a step (here) puts that plain step at most three steps, 3 ms, away, and
-    the rotation puts it before and after alike, so each set's median moves by 2 ms at most."""
+    the rotation puts it before and after alike, so each set's median moves by 2 ms at most.
+    The schedule's checks are on in every step of the rounds, and off in the walls steps and
+    at the end."""
     from monet_cli.profiler import in_step
     from monet_cli.profiler.capture import Timings
 
     on = [False, False, False]
     order: list[int] = []
+    checked: list[bool] = []
+    checks = [False]
     clock = [0]
 
     class Machine:
@@ -617,6 +657,7 @@ def test_the_three_sets_are_timed_in_rotating_rounds_against_the_same_round_s_pl
             clock[0] += 1
             version = next((k + 1 for k, flag in enumerate(on) if flag), 0)
             order.append(version)
+            checked.append(checks[0])
             return 100.0 + clock[0] + 10.0 * version
 
     class CallTimer:
@@ -625,6 +666,7 @@ def test_the_three_sets_are_timed_in_rotating_rounds_against_the_same_round_s_pl
 
         def step(self) -> tuple[float, list[float]]:
             assert not any(on), "calls timed in a checkpointed step"
+            assert not checks[0], "calls timed with the checks on"
             clock[0] += 1
             return 100.0, []
 
@@ -636,12 +678,15 @@ def test_the_three_sets_are_timed_in_rotating_rounds_against_the_same_round_s_pl
 
     monkeypatch.setattr(in_step, "CallTimer", CallTimer)
     walls = Timings()
-    added = in_step._interleaved(Machine(), [switch(0), switch(1), switch(2)], 20, walls)
+    added = in_step._interleaved(
+        Machine(), [switch(0), switch(1), switch(2)], 20, walls, lambda check: checks.__setitem__(0, check)
+    )
     rounds = [order[i : i + 4] for i in range(0, len(order), 4)]
     assert all(sorted(r) == [0, 1, 2, 3] for r in rounds)
     assert [r[0] for r in rounds[:4]] == [0, 1, 2, 3]  # who goes first rotates
     assert len(walls.step_ms) == -(-(len(rounds) - in_step.WARM_UP_PAIRS) // in_step.WALLS_EVERY)
-    assert not any(on)
+    assert not any(on) and not checks[0]
+    assert all(checked)
     assert all(abs(ms - 10.0 * k) <= 2.0 for k, ms in enumerate(added, start=1)), added
 
 
@@ -679,7 +724,7 @@ def test_a_measurement_in_the_step_keeps_to_its_budget_warm_up_and_walls_steps_i
         in_step._paired(Machine(step_ms), lambda _second: None, pairs)
         assert clock_ms[0] <= in_step.BUDGET_S * 1000.0, step_ms
         clock_ms[0] = 0.0
-        in_step._interleaved(Machine(step_ms), [lambda _second: None] * 3, pairs, Timings())
+        in_step._interleaved(Machine(step_ms), [lambda _second: None] * 3, pairs, Timings(), lambda _on: None)
         assert clock_ms[0] <= 3 * in_step.BUDGET_S * 1000.0, step_ms  # the three sets, walls steps included
         paired.append(step_ms)
     assert paired == [5.0, 60.0, 150.0, 250.0, 290.0]
@@ -846,7 +891,7 @@ def test_a_schedule_s_overhead_is_taken_against_the_model_as_written(resnet18_pr
     schedule = plan_schedule(profile, {call: frozenset()}, peaks=1, model=model)
     pred = schedule.predicted
     assert pred.baseline_step_ms == 20.0 and pred.preparation_ms == pytest.approx(2.0)
-    added_ms = model.added_ms(call) + profile.overheads.first_frame_ms
+    added_ms = model.added_ms(call) + profile.overheads.first_frame_ms + profile.overheads.checks_ms
     assert pred.overhead == pytest.approx((22.0 + added_ms) / 20.0 - 1.0, abs=1e-5)
     save_schedule(schedule, tmp_path / "s.yaml")
     assert consistency_problem(load_schedule(tmp_path / "s.yaml")) is None

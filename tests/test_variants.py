@@ -164,15 +164,53 @@ def test_schedules_record_variants_and_refuse_one_inside_a_segment(chain_profile
     assert all(isinstance(v, VariantDecision) for v in schedule.variants)
     assert variants_of(schedule, chain_profile) == every
     assert consistency_problem(schedule) is None
-    # The predicted step includes the variants' measured time.
+    # The predicted step includes the variants' measured time and the schedule's checks.
     assert schedule.predicted.step_ms == pytest.approx(
-        chain_profile.baseline.step_ms + sum(v.time_ms for v in chain_profile.variants), abs=1e-3
+        chain_profile.baseline.step_ms
+        + sum(v.time_ms for v in chain_profile.variants)
+        + chain_profile.overheads.checks_ms,
+        abs=1e-3,
     )
     from monet_cli.core.schedule import SegmentDecision
 
     inside = SegmentDecision(module="0", call=1, first_op=0, end_op=len(chain_profile.ops), recompute_ms=0.0)
     broken = with_content_hash(dataclasses.replace(schedule, decisions=(inside, *schedule.decisions)))
     assert "runs inside segment" in consistency_problem(broken)
+
+
+def test_the_schedule_s_checks_are_paid_by_every_schedule_with_a_decision(chain_profile):
+    """``checks_ms`` (the checks a schedule runs on every training forward) is added to a plan of
+    variants alone as to one with a segment, never to the empty plan (the unscheduled step): in
+    the simulator, in the solver's objective, and in the schedule, whose ``predicted.checks_ms``
+    states it so its parts add up."""
+    checks = 3.0
+    unchecked, costly = (
+        dataclasses.replace(chain_profile, overheads=dataclasses.replace(chain_profile.overheads, checks_ms=ms))
+        for ms in (0.0, checks)
+    )
+    model = SegmentModel(costly)
+    every = frozenset(range(len(costly.variants)))
+    one_segment = {min(model.segments): frozenset()}
+    for plan, variants in (({}, every), (one_segment, frozenset())):
+        priced = simulate(costly, plan, model=model, variants=variants)
+        assert priced.checks_ms == checks
+        assert priced.added_ms == pytest.approx(simulate(unchecked, plan, variants=variants).added_ms + checks)
+    assert simulate(costly, {}, model=model).added_ms == 0.0
+
+    budget = simulate(costly, {}, model=model, variants=every).peak_bytes
+    outcome = Planner(model).solve(budget, time_limit_s=20, workers=1, seed=0)
+    assert outcome.status == "OPTIMAL" and outcome.variants and outcome.result.checks_ms == checks
+    assert outcome.objective_ms == pytest.approx(outcome.result.added_ms, abs=0.01)
+
+    schedule = plan_schedule(costly, {}, peaks=1, variants=every)
+    plain = plan_schedule(unchecked, {}, peaks=1, variants=every)
+    assert schedule.predicted.checks_ms == checks and plain.predicted.checks_ms == 0.0
+    assert schedule.predicted.step_ms == pytest.approx(plain.predicted.step_ms + checks, abs=1e-4)
+    assert consistency_problem(schedule) is None
+    unpriced = with_content_hash(
+        dataclasses.replace(schedule, predicted=dataclasses.replace(schedule.predicted, checks_ms=0.0))
+    )
+    assert "the checks" in consistency_problem(unpriced)
 
 
 def test_rewrite_keeps_storage_ids_and_adds_temporaries(chain_profile):

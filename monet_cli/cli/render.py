@@ -142,6 +142,11 @@ def _preparation(ms: float) -> str:
     return f" as written, {ms:+.1f} ms with activations out of place" if ms else ""
 
 
+def _checks(ms: float) -> str:
+    """What the schedule's checks on every training forward add to its step."""
+    return f", checks {ms:.2f} ms" if ms else ""
+
+
 def _ratio(part: float, whole: float) -> str:
     return f"{100 * part / whole:.0f}%" if whole > 0 else "-"
 
@@ -162,8 +167,8 @@ def schedule_table(schedule: Schedule, path: str) -> Table:
         ("predicted peak", f"{format_bytes(pred.peak_bytes)}  (baseline {format_bytes(pred.baseline_peak_bytes)})"),
         (
             "predicted step",
-            f"{pred.step_ms:.1f} ms  (baseline {pred.baseline_step_ms:.1f} ms{_preparation(pred.preparation_ms)}, "
-            f"overhead {100 * pred.overhead:+.1f}%)",
+            f"{pred.step_ms:.1f} ms  (baseline {pred.baseline_step_ms:.1f} ms{_preparation(pred.preparation_ms)}"
+            f"{_checks(pred.checks_ms)}, overhead {100 * pred.overhead:+.1f}%)",
         ),
         (
             "segments",

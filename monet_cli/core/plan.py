@@ -133,6 +133,7 @@ def predicted(profile: Profile, result: SimResult) -> Predicted:
         baseline_peak_bytes=base.peak_bytes,
         baseline_step_ms=reference,
         preparation_ms=round(base.step_ms - reference, 4),
+        checks_ms=round(result.checks_ms, 4),
         peak_pos=result.peak_pos,
         alloc_conf=profile.device.alloc_conf,
     )

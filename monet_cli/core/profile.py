@@ -178,13 +178,20 @@ class Overheads:
     enough to pair (``profiler/in_step.py``), else on a few of its calls alone
     (``profiler/alone.py``; a chain of tanh ops where none can run alone)."""
     first_frame_ms: float = 0.0
-    """What the step pays once when it checkpoints anything, beyond each frame's ``segment_ms``,
-    with the schedule's checks on every training forward (``runtime/guards.py``) since 12-07.
+    """What the step pays once when it checkpoints anything, beyond each frame's ``segment_ms``.
     On tiny_gpt (batch 16, this 2-core CPU) one checkpointed GELU added 1.2 ms to the step,
     two 1.7, three 2.2, four 2.9 and sixteen cheap calls 7.7: about 0.7 ms once and 0.45 a
-    frame; the checks 0.2 to 0.6 ms. Timed in the model's own step where steps are short
-    enough to pair, else 0: a call timed alone pays it in its frame's price (``segment_ms``),
-    without the checks, as do profiles made before it was measured."""
+    frame. Timed in the model's own step where steps are short enough to pair, else 0: a call
+    timed alone pays it in its frame's price (``segment_ms``), as do profiles made before it
+    was measured. Profiles made on 12-07 before ``checks_ms`` was measured hold the checks
+    here."""
+    checks_ms: float = 0.0
+    """The checks every schedule runs on each training forward (``runtime/guards.py``: another
+    planner's checkpointing, a padded batch, a second forward, the output's bytes), their
+    hooks' own time: paid by a schedule of operator variants alone too. On tiny_gpt (batch 16,
+    12-07) a schedule of no segment ran 0.2 to 0.6 ms a step slower than the model without
+    it. Timed in the model's own step where steps are short enough to pair, else 0 (a step of
+    300 ms or more, where they are 0.1 to 0.2% of it)."""
     saved_tensor_ms: float = 0.0
     """Each tensor autograd saves inside a segment: the frame's pack hook in the forward and
     again in the recompute, and its unpack. Profiles made before it was measured say 0 (their

@@ -141,8 +141,12 @@ class Predicted:
     peak_pos: int
     preparation_ms: float = 0.0
     """What every schedule's preparation of the model adds to the step (in-place activations
-    run out of place), measured by the profile: step_ms is the baseline, this, and the
-    decisions' time. Schedules made before it was measured say 0."""
+    run out of place), measured by the profile: step_ms is the baseline, this, ``checks_ms``
+    and the decisions' time. Schedules made before it was measured say 0."""
+    checks_ms: float = 0.0
+    """What the schedule's checks on every training forward add to the step
+    (``Overheads.checks_ms``; 0 for a schedule without decisions, predicted as the unscheduled
+    step). Schedules made before they were priced apart say 0."""
     alloc_conf: str = ""
     """CUDA: the caching allocator's settings the peak was predicted for (the profile's,
     ``DeviceInfo.alloc_conf``); ``apply`` warns in a process with other settings."""
@@ -288,6 +292,7 @@ HASHED_WHEN_SET = (
             "Fingerprint.modules",
             "SegmentDecision.chain",
             "Predicted.preparation_ms",
+            "Predicted.checks_ms",
             "SolverInfo.gap_limit",
         }
     )
@@ -332,14 +337,17 @@ def consistency_problem(schedule: Schedule) -> str | None:
         return problem
     pred = schedule.predicted
     expected_ms = (
-        pred.baseline_step_ms + pred.preparation_ms + sum(s.recompute_ms + s.overhead_ms for s in schedule.segments)
+        pred.baseline_step_ms
+        + pred.preparation_ms
+        + pred.checks_ms
+        + sum(s.recompute_ms + s.overhead_ms for s in schedule.segments)
     )
     changes = (*schedule.variants, *schedule.offloads)
     expected_ms += sum(v.time_ms for v in changes)
     if abs(expected_ms - pred.step_ms) > 1e-3 * (1 + len(schedule.segments) + len(changes)):
         return (
-            f"predicted.step_ms: {pred.step_ms} does not match the baseline, the preparation, the segments' "
-            f"recompute time and the variants' and offloads' time ({expected_ms:.4f})"
+            f"predicted.step_ms: {pred.step_ms} does not match the baseline, the preparation, the checks, the "
+            f"segments' recompute time and the variants' and offloads' time ({expected_ms:.4f})"
         )
     if pred.peak_bytes > schedule.budget_bytes:
         return f"predicted.peak_bytes: {pred.peak_bytes} is above budget_bytes {schedule.budget_bytes}"

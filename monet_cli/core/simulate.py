@@ -67,7 +67,12 @@ class SimResult:
     recompute_ms: float
     """Predicted time of the schedule's recomputes (``SegmentModel.recompute_ms``)."""
     added_ms: float
-    """recompute_ms plus the checkpoint machinery: step_ms - baseline step_ms."""
+    """recompute_ms plus the checkpoint machinery, the variants and the checks: step_ms -
+    baseline step_ms."""
+    checks_ms: float
+    """What the schedule's checks on every training forward add (``Overheads.checks_ms``): paid
+    by every plan with a decision. The empty plan, whose schedule runs them too, is the
+    unscheduled step, and is predicted as it."""
     timeline: tuple[tuple[int, int], ...] = ()
     """(position, live bytes after that position's allocations), if requested."""
 
@@ -179,6 +184,8 @@ def simulate(
     added_ms = sum((model.added_ms(call, kept, frames[call]) for call, kept in plan.items()), 0.0)
     added_ms += profile.overheads.first_frame_ms if plan else 0.0
     added_ms += sum((model.profile.variants[v].time_ms for v in variants), 0.0)
+    checks_ms = profile.overheads.checks_ms if plan or variants else 0.0
+    added_ms += checks_ms
     return SimResult(
         peak_bytes=peak if counted is None else counted,
         requested_peak_bytes=peak,
@@ -186,6 +193,7 @@ def simulate(
         step_ms=profile.baseline.step_ms + added_ms,
         recompute_ms=recompute_ms,
         added_ms=added_ms,
+        checks_ms=checks_ms,
         timeline=points,
     )
 

@@ -12,8 +12,11 @@ blocks were priced right and small segments (a LayerNorm and a Linear, an MLP) t
 solver chose many small segments and the step ran 8 to 12 points slower than predicted.
 
 So the step itself is timed with module calls checkpointed as a schedule runs them (the
-executor's ``checkpointed_forward``, their BatchNorms guarded, the schedule's checks on every
-training forward registered on the root), interleaved with plain steps.
+executor's ``checkpointed_forward``, their BatchNorms guarded), interleaved with plain steps.
+The schedule's checks on every training forward (``runtime/guards.py``) are registered on the
+root in every one of those steps, plain ones too, and their own time taken (``_TimedChecks``):
+every schedule pays them, one with operator variants alone too, so they are priced apart
+(``checks_ms``) from what checkpointing costs.
 Priced on ``torch.utils.checkpoint`` alone, the unet's schedule of every block ran 1.5 to 2.0%
 of the step slower than PyTorch's checkpoint of the same blocks in two runs of 61 and 201
 interleaved repeats (12-05; 90% intervals -1.7 to +5.0% and -1.4 to +5.2%), and its
@@ -65,8 +68,10 @@ from __future__ import annotations
 
 import math
 import statistics
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import replace
+from typing import Any
 
 import torch
 from torch import nn
@@ -99,9 +104,9 @@ real-model tests (12-05); every other pair's steps span the same stretch of time
 
 
 def price_in_step(workload: Workload, profile: Profile, steps: int) -> Overheads:
-    """``profile.overheads`` with ``first_frame_ms``, ``segment_ms``, ``python_op_ms`` and
-    ``policy_op_ms`` timed in the step (``steps``: the profile's ``--steps``), for a step that
-    ``can_pair``; ``alone.price_alone`` prices the others."""
+    """``profile.overheads`` with ``checks_ms``, ``first_frame_ms``, ``segment_ms``,
+    ``python_op_ms`` and ``policy_op_ms`` timed in the step (``steps``: the profile's
+    ``--steps``), for a step that ``can_pair``; ``alone.price_alone`` prices the others."""
     pairs = _pairs(profile.baseline.step_ms, steps)
     unpriced = replace(profile, overheads=replace(profile.overheads, python_op_ms=0.0))
     model = SegmentModel(unpriced)
@@ -113,13 +118,12 @@ def price_in_step(workload: Workload, profile: Profile, steps: int) -> Overheads
 
     sets = [cheapest[:FEW_FRAMES], cheapest, largest] if FEW_FRAMES < len(cheapest) else [cheapest, largest]
     toggles = {c: _Toggle(modules[model.calls[c].fqn]) for c in dict.fromkeys(c for calls in sets for c in calls)}
-    guards = _Guards(workload.model, profile)
+    checks = _TimedChecks(workload.model, profile)
     walls = Timings()
     try:
-        switches = [_toggles([guards, *(toggles[c] for c in calls)]) for calls in sets]
-        added_ms = _interleaved(workload, switches, pairs, walls)
+        switches = [_toggles([toggles[c] for c in calls]) for calls in sets]
+        added_ms = _interleaved(workload, switches, pairs, walls, checks.set)
     finally:
-        guards.set(False)
         for toggle in toggles.values():
             toggle.close()
     measured = [_Checkpointed(unpriced, walls, calls, ms) for calls, ms in zip(sets, added_ms, strict=True)]
@@ -134,6 +138,7 @@ def price_in_step(workload: Workload, profile: Profile, steps: int) -> Overheads
     ops = sum(model.segments[c].end_op - model.segments[c].first_op for c in largest)
     return replace(
         profile.overheads,
+        checks_ms=round(checks.median_ms(), 6),
         first_frame_ms=round(once_ms, 6),
         segment_ms=round(max(0.0, profile.overheads.segment_ms + frame_ms), 6),
         python_op_ms=round(op_ms, 6),
@@ -292,30 +297,52 @@ class _Toggle:
         self.unguard()
 
 
-class _Guards:
-    """The checks a schedule runs on every training forward (``runtime/guards.py``), on or
-    off. Each set runs with them, so what the step pays once holds their cost: on tiny_gpt
-    (batch 16, 12-07) a schedule of no segment ran 0.2 to 0.6 ms a step slower than the
-    prepared model without it, in six interleaved measurements of 61 to 101 repeats."""
+class _TimedChecks:
+    """The checks a schedule runs on every training forward (``runtime/guards.py``), on or off,
+    with the time their hooks take in each forward (timing hooks registered just before and
+    just after them, on the root's pre-hooks and its forward hooks). On tiny_gpt (batch 16,
+    12-07) a schedule of no segment ran 0.2 to 0.6 ms a step slower than the prepared model
+    without it, in six interleaved measurements of 61 to 101 repeats, and its hooks' own code
+    took 0.28 ms; a step's difference would weigh 0.3 ms against its noise of about as much."""
 
     def __init__(self, model: nn.Module, profile: Profile) -> None:
         self.model = model
         self.profile = profile
         self.handles: list[RemovableHandle] = []
+        self.forwards_s: list[float] = []
+        """Each forward's time in the checks' hooks."""
+        self.began = self.spent = 0.0
 
     def set(self, on: bool) -> None:
         for handle in self.handles:
             handle.remove()
         self.handles = []
         if on:
+            model, fingerprint = self.model, self.profile.fingerprint
+            self.handles = [model.register_forward_pre_hook(self._start), model.register_forward_hook(self._resume)]
             # Without the hook check: each switch registers hooks, so the check would compare
             # the model's hooks on every step, where a schedule compares them once.
-            fingerprint = self.profile.fingerprint
-            self.handles = install_guards(self.model, fingerprint, self.profile.model, check_hooks=False)
-            self.handles += install_output_check(self.model, fingerprint)
+            self.handles += install_guards(model, fingerprint, self.profile.model, check_hooks=False)
+            self.handles += install_output_check(model, fingerprint)
+            self.handles += [model.register_forward_pre_hook(self._pause), model.register_forward_hook(self._end)]
+
+    def median_ms(self) -> float:
+        return 1000.0 * statistics.median(self.forwards_s) if self.forwards_s else 0.0
+
+    def _start(self, module: nn.Module, args: Any) -> None:
+        self.began, self.spent = time.perf_counter(), 0.0
+
+    def _pause(self, module: nn.Module, args: Any) -> None:
+        self.spent += time.perf_counter() - self.began
+
+    def _resume(self, module: nn.Module, args: Any, output: Any) -> None:
+        self.began = time.perf_counter()
+
+    def _end(self, module: nn.Module, args: Any, output: Any) -> None:
+        self.forwards_s.append(self.spent + time.perf_counter() - self.began)
 
 
-def _toggles(toggles: list[_Toggle | _Guards]) -> Callable[[bool], None]:
+def _toggles(toggles: list[_Toggle]) -> Callable[[bool], None]:
     def switch(second: bool) -> None:
         for toggle in toggles:
             toggle.set(second)
@@ -341,12 +368,19 @@ def _paired(workload: Workload, switch: Callable[[bool], None], pairs: int) -> t
     return statistics.median(first), statistics.median(added)
 
 
-def _interleaved(workload: Workload, switches: list[Callable[[bool], None]], pairs: int, walls: Timings) -> list[float]:
+def _interleaved(
+    workload: Workload,
+    switches: list[Callable[[bool], None]],
+    pairs: int,
+    walls: Timings,
+    checks: Callable[[bool], None],
+) -> list[float]:
     """Each switch's median difference (``switch(True)`` minus the plain step of the same
-    round), in ms. A round runs the plain step and each switch on in turn, its order rotated
-    from round to round, so every set is timed at the speed the others are and against the
-    same plain steps; every ``WALLS_EVERY``-th round is followed by a plain step whose module
-    calls are timed (``CallTimer``), into ``walls``. As many rounds as the steps of one
+    round), in ms, all with the schedule's ``checks`` switched on. A round runs the plain step
+    and each switch on in turn, its order rotated from round to round, so every set is timed
+    at the speed the others are and against the same plain steps; every ``WALLS_EVERY``-th
+    round is followed by a plain step, without the checks, whose module calls are timed
+    (``CallTimer``), into ``walls``. As many rounds as the steps of one
     ``pairs``-pair measurement per switch: timed one after the other, three sets of 31 pairs
     spanned 25 s of a machine that changes speed within minutes."""
     versions = len(switches) + 1  # 0: the plain step
@@ -361,6 +395,7 @@ def _interleaved(workload: Workload, switches: list[Callable[[bool], None]], pai
     added: list[list[float]] = [[] for _ in switches]
     try:
         for r in range(WARM_UP_PAIRS + rounds):
+            checks(True)  # off only for the walls steps; the warm-up's few forwards barely move its median
             order = [(r + v) % versions for v in range(versions)]
             times = {}
             for version in order:
@@ -372,11 +407,13 @@ def _interleaved(workload: Workload, switches: list[Callable[[bool], None]], pai
                 added[k - 1].append(times[k] - times[0])
             if (r - WARM_UP_PAIRS) % WALLS_EVERY == 0:
                 only(0)
+                checks(False)
                 step_ms, call_ms = CallTimer(workload).step()
                 walls.step_ms.append(step_ms)
                 walls.call_ms.append(call_ms)
     finally:
         only(0)
+        checks(False)
     return [statistics.median(differences) for differences in added]
 
 

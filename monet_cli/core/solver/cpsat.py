@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from ortools.sat.python import cp_model
@@ -86,6 +86,8 @@ class Costs:
     """A variant's measured forward and backward time beyond the unmodified modules'."""
     first_frame: int
     """What the step pays once when any segment is chosen."""
+    checks: int
+    """The schedule's checks on every training forward, paid when anything is chosen."""
 
 
 def step_costs(model: SegmentModel) -> Costs:
@@ -106,6 +108,7 @@ def step_costs(model: SegmentModel) -> Costs:
         nest=nest,
         variant=variant,
         first_frame=round(model.profile.overheads.first_frame_ms * US_PER_MS),
+        checks=round(model.profile.overheads.checks_ms * US_PER_MS),
     )
 
 
@@ -113,6 +116,7 @@ def objective_us(model: SegmentModel, costs: Costs, plan: Plan, variants: Varian
     """The objective of ``plan`` exactly as ``build_model`` writes it."""
     return (
         (costs.first_frame if plan else 0)
+        + (costs.checks if plan or variants else 0)
         + sum(costs.variant[v] for v in variants)
         + sum(
             costs.seg[c] + (costs.policy[c] if kept else 0) - sum(costs.keep_saving[(c, i)] for i in kept)
@@ -187,7 +191,8 @@ def build_model(
         return cp, v
     costs = step_costs(model)
     cp.minimize(
-        (_any_segment(cp, v) * costs.first_frame if costs.first_frame else 0)
+        (_any_of(cp, v.seg.values(), "any segment") * costs.first_frame if costs.first_frame else 0)
+        + (_any_of(cp, [*v.seg.values(), *v.variant.values()], "any decision") * costs.checks if costs.checks else 0)
         + sum(costs.seg[c] * v.seg[c] for c in v.seg)
         + sum(costs.policy[c] * v.policy[c] for c in v.policy)
         - sum(costs.keep_saving[k] * v.keep[k] for k in v.keep)
@@ -197,12 +202,13 @@ def build_model(
     return cp, v
 
 
-def _any_segment(cp: cp_model.CpModel, v: Variables) -> cp_model.IntVar:
-    """True when a segment is chosen (minimising keeps it false otherwise). Only profiles that
-    price the once-cost get it: older ones, and those whose steps were too slow to pair, say 0."""
-    chosen = cp.new_bool_var("any segment")
-    for seg in v.seg.values():
-        cp.add_implication(seg, chosen)
+def _any_of(cp: cp_model.CpModel, choices: Iterable[cp_model.IntVar], name: str) -> cp_model.IntVar:
+    """True when one of ``choices`` is (minimising keeps it false otherwise), for a cost paid
+    once: only profiles that price it get it (older ones, and those whose steps were too slow
+    to pair, say 0)."""
+    chosen = cp.new_bool_var(name)
+    for choice in choices:
+        cp.add_implication(choice, chosen)
     return chosen
 
 

@@ -314,14 +314,17 @@ class _TimedChecks:
         self.began = self.spent = 0.0
 
     def set(self, on: bool) -> None:
+        if on == bool(self.handles):  # as they are: the rounds switch them on each time
+            return
         for handle in self.handles:
             handle.remove()
         self.handles = []
         if on:
             model, fingerprint = self.model, self.profile.fingerprint
             self.handles = [model.register_forward_pre_hook(self._start), model.register_forward_hook(self._resume)]
-            # Without the hook check: each switch registers hooks, so the check would compare
-            # the model's hooks on every step, where a schedule compares them once.
+            # Without the hook check: each walls step switches them off and on, so the check
+            # would compare the model's hooks on every other round, where a schedule compares
+            # them once.
             self.handles += install_guards(model, fingerprint, self.profile.model, check_hooks=False)
             self.handles += install_output_check(model, fingerprint)
             self.handles += [model.register_forward_pre_hook(self._pause), model.register_forward_hook(self._end)]

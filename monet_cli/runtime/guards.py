@@ -34,8 +34,8 @@ def install_guards(
     model: nn.Module, fingerprint: Fingerprint, spec: ModelSpec, *, check_hooks: bool
 ) -> list[RemovableHandle]:
     """Register the per-forward checks on ``model``'s root (the hook check only when
-    ``check_hooks``) and return their handles. ``monet profile`` prices them with the
-    checkpoint machinery by switching them on and off (``profiler/in_step.py``)."""
+    ``check_hooks``) and return their handles. ``monet profile`` times them in the model's
+    step (``profiler/in_step.py``, ``Overheads.checks_ms``) and removes them after."""
     handles = [model.register_forward_pre_hook(_refuse_on_training_forward)]
     if _profiled_unpadded(spec):
         handles.append(model.register_forward_pre_hook(_refuse_padded_batches, with_kwargs=True))

@@ -178,11 +178,10 @@ def test_schedules_record_variants_and_refuse_one_inside_a_segment(chain_profile
     assert "runs inside segment" in consistency_problem(broken)
 
 
-def test_the_schedule_s_checks_are_paid_by_every_schedule_with_a_decision(chain_profile):
-    """``checks_ms`` (the checks a schedule runs on every training forward) is added to a plan of
-    variants alone as to one with a segment, never to the empty plan (the unscheduled step): in
-    the simulator, in the solver's objective, and in the schedule, whose ``predicted.checks_ms``
-    states it so its parts add up."""
+def test_the_schedule_s_checks_are_paid_by_every_schedule(chain_profile):
+    """``checks_ms`` (the checks ``apply`` installs for every training forward) is added to every
+    plan, the empty one too: in the simulator, in the solver's objective, and in the schedule,
+    whose ``predicted.checks_ms`` states it so its parts add up."""
     checks = 3.0
     unchecked, costly = (
         dataclasses.replace(chain_profile, overheads=dataclasses.replace(chain_profile.overheads, checks_ms=ms))
@@ -191,11 +190,13 @@ def test_the_schedule_s_checks_are_paid_by_every_schedule_with_a_decision(chain_
     model = SegmentModel(costly)
     every = frozenset(range(len(costly.variants)))
     one_segment = {min(model.segments): frozenset()}
-    for plan, variants in (({}, every), (one_segment, frozenset())):
+    for plan, variants in (({}, every), (one_segment, frozenset()), ({}, frozenset())):
         priced = simulate(costly, plan, model=model, variants=variants)
         assert priced.checks_ms == checks
         assert priced.added_ms == pytest.approx(simulate(unchecked, plan, variants=variants).added_ms + checks)
-    assert simulate(costly, {}, model=model).added_ms == 0.0
+    assert simulate(costly, {}, model=model).added_ms == checks
+    unconstrained = Planner(model).solve(costly.baseline.peak_bytes, time_limit_s=20, workers=1, seed=0)
+    assert unconstrained.plan == {} and unconstrained.objective_ms == checks
 
     budget = simulate(costly, {}, model=model, variants=every).peak_bytes
     outcome = Planner(model).solve(budget, time_limit_s=20, workers=1, seed=0)

@@ -145,8 +145,8 @@ class Predicted:
     and the decisions' time. Schedules made before it was measured say 0."""
     checks_ms: float = 0.0
     """What the schedule's checks on every training forward add to the step
-    (``Overheads.checks_ms``; 0 for a schedule without decisions, predicted as the unscheduled
-    step). Schedules made before they were priced apart say 0."""
+    (``Overheads.checks_ms``), a schedule without decisions too: ``apply`` installs them on every
+    schedule. Schedules made before they were priced apart say 0."""
     alloc_conf: str = ""
     """CUDA: the caching allocator's settings the peak was predicted for (the profile's,
     ``DeviceInfo.alloc_conf``); ``apply`` warns in a process with other settings."""

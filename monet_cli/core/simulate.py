@@ -71,8 +71,8 @@ class SimResult:
     baseline step_ms."""
     checks_ms: float
     """What the schedule's checks on every training forward add (``Overheads.checks_ms``): paid
-    by every plan with a decision. The empty plan, whose schedule runs them too, is the
-    unscheduled step, and is predicted as it."""
+    by every plan, the empty one too (``apply`` installs them whatever the schedule holds, as it
+    runs the prepared model)."""
     timeline: tuple[tuple[int, int], ...] = ()
     """(position, live bytes after that position's allocations), if requested."""
 
@@ -184,7 +184,7 @@ def simulate(
     added_ms = sum((model.added_ms(call, kept, frames[call]) for call, kept in plan.items()), 0.0)
     added_ms += profile.overheads.first_frame_ms if plan else 0.0
     added_ms += sum((model.profile.variants[v].time_ms for v in variants), 0.0)
-    checks_ms = profile.overheads.checks_ms if plan or variants else 0.0
+    checks_ms = profile.overheads.checks_ms  # every applied schedule runs them, the empty one too
     added_ms += checks_ms
     return SimResult(
         peak_bytes=peak if counted is None else counted,

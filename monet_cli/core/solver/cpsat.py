@@ -87,7 +87,8 @@ class Costs:
     first_frame: int
     """What the step pays once when any segment is chosen."""
     checks: int
-    """The schedule's checks on every training forward, paid when anything is chosen."""
+    """The schedule's checks on every training forward, paid by every plan (a constant: it keeps
+    the objective equal to the simulated added time)."""
 
 
 def step_costs(model: SegmentModel) -> Costs:
@@ -116,7 +117,7 @@ def objective_us(model: SegmentModel, costs: Costs, plan: Plan, variants: Varian
     """The objective of ``plan`` exactly as ``build_model`` writes it."""
     return (
         (costs.first_frame if plan else 0)
-        + (costs.checks if plan or variants else 0)
+        + costs.checks
         + sum(costs.variant[v] for v in variants)
         + sum(
             costs.seg[c] + (costs.policy[c] if kept else 0) - sum(costs.keep_saving[(c, i)] for i in kept)
@@ -192,7 +193,7 @@ def build_model(
     costs = step_costs(model)
     cp.minimize(
         (_any_of(cp, v.seg.values(), "any segment") * costs.first_frame if costs.first_frame else 0)
-        + (_any_of(cp, [*v.seg.values(), *v.variant.values()], "any decision") * costs.checks if costs.checks else 0)
+        + costs.checks
         + sum(costs.seg[c] * v.seg[c] for c in v.seg)
         + sum(costs.policy[c] * v.policy[c] for c in v.policy)
         - sum(costs.keep_saving[k] * v.keep[k] for k in v.keep)

@@ -143,7 +143,8 @@ class Planner:
         if self.profile.baseline.peak_bytes <= budget_bytes:
             result = self._simulate({}, frozenset())
             if result.peak_bytes <= budget_bytes:
-                return self._outcome({}, result, "OPTIMAL", "no-checkpointing", 0.0, 0.0, start, 0)
+                added_ms = result.added_ms  # the schedule's checks
+                return self._outcome({}, result, "OPTIMAL", "no-checkpointing", added_ms, added_ms, start, 0)
         name, best, hint = self._warm_start(budget_bytes, hint, time_limit_s / 2, workers, seed, report)
         unproven = f"heuristic ({name})"  # how the plan in best was found, while nothing is proven
         rows = self._highest_rows()

@@ -32,7 +32,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from bench import methods as M  # noqa: E402
-from bench.pairing import median_interval, paired_overhead, paired_ratios  # noqa: E402
+from bench.pairing import paired_overhead, paired_ratios  # noqa: E402
 from bench.run import WORKLOADS, log, measure_eager, predicted_overhead, write_rows  # noqa: E402
 from monet_cli.core.plan import plan_of, solve_schedule, variants_of  # noqa: E402
 from monet_cli.core.profile import Overheads, Profile  # noqa: E402
@@ -40,6 +40,7 @@ from monet_cli.core.schedule import Schedule  # noqa: E402
 from monet_cli.core.segments import SegmentModel  # noqa: E402
 from monet_cli.core.simulate import simulate  # noqa: E402
 from monet_cli.core.solver.search import Planner  # noqa: E402
+from monet_cli.core.stats import median_interval  # noqa: E402
 from monet_cli.profiler.run import profile_model  # noqa: E402
 from monet_cli.runtime.host_memory import keep_freed_host_memory  # noqa: E402
 from monet_cli.workload.resolve import resolve_model_spec  # noqa: E402

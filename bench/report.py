@@ -14,7 +14,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.pairing import median_interval, paired_ratios  # noqa: E402
+from bench.pairing import paired_ratios  # noqa: E402
+from monet_cli.core.stats import median_interval  # noqa: E402
 from monet_cli.core.units import format_bytes  # noqa: E402
 
 MIB = 2**20

@@ -233,3 +233,23 @@ def test_a_torch_below_the_tested_floor_is_run_with_a_warning(monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         fingerprint.warn_if_untested_torch()
+
+
+def test_the_median_s_interval_is_the_sign_test_s():
+    """21 values: the 7th smallest to the 7th largest (P(Binomial(21, 1/2) < 7) = 0.039, so
+    at least 92% hold the median); 41 values: the 15th to the 27th; 3 values: the extremes
+    (they hold the median with 75%, the most three values can). Over many normal samples the
+    interval holds the true median about as often as it says."""
+    import random
+
+    from monet_cli.core.stats import median_interval
+
+    assert median_interval([float(v) for v in reversed(range(1, 22))], 0.9) == (7.0, 15.0)
+    assert median_interval([float(v) for v in range(1, 42)], 0.9) == (15.0, 27.0)
+    assert median_interval([3.0, 1.0, 2.0], 0.9) == (1.0, 3.0)
+    with pytest.raises(ValueError):
+        median_interval([], 0.9)
+    rng = random.Random(1)
+    samples = [[rng.gauss(0.0, 1.0) for _ in range(21)] for _ in range(2000)]
+    held = sum(low <= 0.0 <= high for low, high in (median_interval(s, 0.9) for s in samples)) / len(samples)
+    assert 0.90 <= held <= 0.95

@@ -55,6 +55,7 @@ def profile_summary(profile: Profile, path: str) -> dict[str, Any]:
         "step_ms": profile.baseline.step_ms,
         "as_written_step_ms": profile.baseline.as_written_step_ms,
         "other_work_cpus": profile.baseline.other_work_cpus,
+        "price_noise_ms": profile.overheads.price_noise_ms,
         "param_bytes": mem.param_bytes,
         "grad_bytes": mem.grad_bytes,
         "optimizer_state_bytes": mem.optimizer_state_bytes,
@@ -101,6 +102,7 @@ def profile_table(profile: Profile, path: str) -> Table:
         ("baseline peak", format_bytes(profile.baseline.peak_bytes) + f"  ({profile.baseline.meter})"),
         ("simulated peak", _simulated_baseline(profile)),
         ("step time", _step_time(profile)),
+        ("price noise", _price_noise(profile)),
         (
             "op times",
             f"{profile.op_ms_sum:.1f} ms summed, {_ratio(profile.op_ms_sum, profile.baseline.step_ms)} of the step",
@@ -130,6 +132,17 @@ def _step_time(profile: Profile) -> str:
     if base.as_written_step_ms is not None:
         line += f"; {base.as_written_step_ms:.1f} ms with the activations in place, as the model is written"
     return line + _other_work(base.other_work_cpus)
+
+
+def _price_noise(profile: Profile) -> str:
+    """How far the step's noise alone may move a deep schedule's predicted step."""
+    ms = profile.overheads.price_noise_ms
+    if not ms:
+        return "not measured (checkpointing priced on calls timed alone, or a profile made before it was)"
+    return (
+        f"+-{ms:.2f} ms at 90% ({100 * ms / profile.baseline.step_ms:.1f}% of the step): what the step's noise "
+        "alone may move a deep schedule's predicted step by"
+    )
 
 
 def _other_work(cpus: float | None) -> str:

@@ -192,6 +192,13 @@ class Overheads:
     12-07) a schedule of no segment ran 0.2 to 0.6 ms a step slower than the model without
     it. Timed in the model's own step where steps are short enough to pair, else 0 (a step of
     300 ms or more, where they are 0.1 to 0.2% of it)."""
+    price_noise_ms: float = 0.0
+    """How far the step's noise alone may move the prices timed in the step: half the 90%
+    interval (the sign test's) of the median difference the largest calls checkpointed made,
+    in the profile's time. A deep schedule re-runs about what that set re-runs, so its
+    predicted step may be off by this much from the profile's noise alone; on 12-07 a noisy
+    spell of this CPU (plain steps spreading 10 to 15%) put it at 2 to 7 ms of a 120 to 180 ms
+    unet or ``tiny_gpt`` step. 0 where not measured (calls timed alone, older profiles)."""
     saved_tensor_ms: float = 0.0
     """Each tensor autograd saves inside a segment: the frame's pack hook in the forward and
     again in the recompute, and its unpack. Profiles made before it was measured say 0 (their

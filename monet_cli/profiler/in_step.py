@@ -79,6 +79,7 @@ from torch.utils.hooks import RemovableHandle
 
 from monet_cli.core.profile import Overheads, Profile
 from monet_cli.core.segments import SegmentModel
+from monet_cli.core.stats import median_interval
 from monet_cli.profiler.alone import keeping_nothing
 from monet_cli.profiler.capture import CallTimer, Timings, retimed
 from monet_cli.runtime.executor import guard_batchnorms
@@ -97,6 +98,8 @@ PAIRS_PER_STEP = 10
 """Pairs per timed step the profile was asked for (``--steps``): a quick profile pairs fewer."""
 MIN_PAIRS, MAX_PAIRS = 9, 31
 WARM_UP_PAIRS = 2
+CONFIDENCE = 0.9
+"""Of the interval ``price_noise_ms`` is half of."""
 WALLS_EVERY = 2
 """Rounds of the three sets per plain step with its calls timed. One after every pair (when
 the sets were paired one after another) added about 7 s to tiny_gpt's profile and 39 s to the
@@ -122,12 +125,16 @@ def price_in_step(workload: Workload, profile: Profile, steps: int) -> Overheads
     walls = Timings()
     try:
         switches = [_toggles([toggles[c] for c in calls]) for calls in sets]
-        added_ms = _interleaved(workload, switches, pairs, walls, checks.set)
+        differences = _interleaved(workload, switches, pairs, walls, checks.set)
     finally:
         for toggle in toggles.values():
             toggle.close()
-    measured = [_Checkpointed(unpriced, walls, calls, ms) for calls, ms in zip(sets, added_ms, strict=True)]
+    measured = [
+        _Checkpointed(unpriced, walls, calls, statistics.median(ms))
+        for calls, ms in zip(sets, differences, strict=True)
+    ]
     few, many, long = measured if len(measured) == 3 else (measured[0], *measured)
+    low, high = median_interval(differences[-1], CONFIDENCE)
     once_ms, frame_ms, op_ms = _unpriced(few, many, long)
     policies = [_Toggle(modules[model.calls[c].fqn], policy=True) for c in largest]
     try:
@@ -143,6 +150,7 @@ def price_in_step(workload: Workload, profile: Profile, steps: int) -> Overheads
         segment_ms=round(max(0.0, profile.overheads.segment_ms + frame_ms), 6),
         python_op_ms=round(op_ms, 6),
         policy_op_ms=round(max(0.0, policy_ms / long.speed / (2 * ops)), 6),
+        price_noise_ms=round((high - low) / 2 / long.speed, 6),
     )
 
 
@@ -377,9 +385,9 @@ def _interleaved(
     pairs: int,
     walls: Timings,
     checks: Callable[[bool], None],
-) -> list[float]:
-    """Each switch's median difference (``switch(True)`` minus the plain step of the same
-    round), in ms, all with the schedule's ``checks`` switched on. A round runs the plain step
+) -> list[list[float]]:
+    """Each switch's differences (``switch(True)`` minus the plain step of the same round),
+    in ms, all with the schedule's ``checks`` switched on. A round runs the plain step
     and each switch on in turn, its order rotated from round to round, so every set is timed
     at the speed the others are and against the same plain steps; every ``WALLS_EVERY``-th
     round is followed by a plain step, without the checks, whose module calls are timed
@@ -417,7 +425,7 @@ def _interleaved(
     finally:
         only(0)
         checks(False)
-    return [statistics.median(differences) for differences in added]
+    return added
 
 
 def _rounds(versions: int, steps: int) -> int:

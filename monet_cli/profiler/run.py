@@ -28,6 +28,7 @@ from monet_cli.core.profile import (
     ModelSpec,
     ModuleCall,
     OpRecord,
+    Overheads,
     PackRecord,
     Profile,
     StorageRecord,
@@ -62,6 +63,8 @@ TIMING_BUDGET_S = 3.0
 median of the bench's steps that followed (tiny_gpt: 67.8 ms against 51.0), and every
 in-step price, taken in the profile's step time, moved with it."""
 MAX_STEPS_PER_TICK = 5
+NOISY_PRICES = 0.03
+"""Of the step: the time model's target is a predicted overhead within 3 points of the measured."""
 
 
 def _no_progress(label: str) -> None:
@@ -160,6 +163,7 @@ def profile_model(
     if can_pair(profile.baseline.step_ms, steps):
         progress("pricing checkpoint in the step (once, per frame, per re-run op, the policy)")
         overheads = run_checked(lambda: price_in_step(workload, profile, steps), "pricing step")
+        warn_if_noisy_prices(overheads, profile.baseline.step_ms)
     else:
         progress("pricing checkpoint on a few calls alone (per frame, per re-run op, the policy)")
         overheads = run_checked(lambda: price_alone(workload, profile), "timing a module alone")
@@ -193,6 +197,19 @@ def warn_on_speed_change(workload: Workload, step_ms: list[float]) -> None:
             f"monet: this machine's speed changed while profiling: the plain step took {early:.1f} ms "
             f"when timed and {late:.1f} ms at the end, and the predicted overheads assume one speed; "
             "profile again on a quieter machine before trusting them",
+            stacklevel=2,
+        )
+
+
+def warn_if_noisy_prices(overheads: Overheads, step_ms: float) -> None:
+    """Warn where the step's noise alone may move a deep schedule's predicted overhead by more
+    than ``NOISY_PRICES`` of the step (``Overheads.price_noise_ms``)."""
+    if overheads.price_noise_ms > NOISY_PRICES * step_ms:
+        warnings.warn(
+            f"monet: the step's time is noisy on this machine: checkpointing's prices timed in the step "
+            f"hold to +-{overheads.price_noise_ms:.1f} ms at 90% ({100 * overheads.price_noise_ms / step_ms:.1f}% "
+            "of the step), so a deep schedule's predicted overhead may be off by as many points from the "
+            "noise alone; profile again on a quieter machine before trusting it to a few points",
             stacklevel=2,
         )
 

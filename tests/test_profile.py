@@ -625,7 +625,8 @@ def test_checkpoint_s_frame_and_policy_are_priced_in_the_step(resnet18_profile, 
 def test_the_step_s_noise_is_measured_on_the_largest_calls_set(resnet18_profile, monkeypatch):
     """``price_noise_ms`` is half the 90% interval of the median difference the largest calls
     made, in the profile's time: the cheap sets' spread does not enter it, and a machine twice
-    as slow as the profile's steps halves it."""
+    as slow as the profile's steps halves it. Where it passes ``NOISY_PRICES`` of the step the
+    sets' rounds run once more, and every figure is taken over both; a quiet step runs them once."""
     from dataclasses import replace
 
     from monet_cli.core.stats import median_interval
@@ -634,21 +635,34 @@ def test_the_step_s_noise_is_measured_on_the_largest_calls_set(resnet18_profile,
 
     profile = replace(resnet18_profile, baseline=replace(resnet18_profile.baseline, step_ms=10.0, steps=3))
     walls = [2.0 * call.time_ms for call in profile.calls]
-    long_ms = [30.0, 31.0, 26.0, 38.0, 29.0, 33.0, 35.0, 27.0, 30.5, 32.0, 24.0, 36.0, 31.5]
+    noisy = [30.0, 31.0, 26.0, 38.0, 29.0, 33.0, 35.0, 27.0, 30.5, 32.0, 24.0, 36.0, 31.5]
+    batches: list[list[float]] = []
 
     def interleaved(_workload, switches, _pairs, timings: Timings, _checks) -> list[list[float]]:
         timings.step_ms.append(20.0)
         timings.call_ms.append(walls)
         cheap = [1.0, 100.0, -100.0] * 4  # widely spread: not the largest calls'
-        return [cheap] * (len(switches) - 1) + [long_ms]
+        return [cheap] * (len(switches) - 1) + [batches[len(timings.step_ms) - 1]]
 
     monkeypatch.setattr(in_step, "_interleaved", interleaved)
     monkeypatch.setattr(in_step, "_paired", lambda *_args: (20.0, 0.0))
     workload = build_workload(small_spec(), CPU)
-    low, high = median_interval(long_ms, in_step.CONFIDENCE)
-    assert high - low == 4.0  # the 4th smallest (29) to the 4th largest (33)
+
+    def half_width(values: list[float]) -> float:
+        low, high = median_interval(values, in_step.CONFIDENCE)
+        return (high - low) / 2
+
+    assert half_width(noisy) == 2.0 > in_step.NOISY_PRICES * 20.0  # the 4th smallest (29) to the 4th largest (33)
+    batches[:] = [noisy, [ms + 10.0 for ms in noisy]]
     priced = in_step.price_in_step(workload, profile, 3)
-    assert priced.price_noise_ms == pytest.approx((high - low) / 2 / 2.0, abs=1e-6)
+    assert priced.price_noise_ms == pytest.approx(half_width(batches[0] + batches[1]) / 2.0, abs=1e-6)
+    assert half_width(batches[0] + batches[1]) != half_width(noisy)
+
+    quiet = [30.0 + 0.05 * k for k in range(13)]
+    batches[:] = [quiet, [ms + 10.0 for ms in noisy]]
+    priced_quiet = in_step.price_in_step(workload, profile, 3)
+    assert priced_quiet.price_noise_ms == pytest.approx(half_width(quiet) / 2.0, abs=1e-6)
+    assert half_width(batches[0] + batches[1]) > 2 * half_width(quiet)  # so the second batch did not run
 
 
 def test_the_schedule_s_checks_are_timed_on_their_own_hooks(monkeypatch):

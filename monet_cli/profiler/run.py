@@ -38,7 +38,7 @@ from monet_cli.core.variants import find_sites
 from monet_cli.errors import CheckpointConflictError, FingerprintError, ModelError
 from monet_cli.profiler.alone import price_alone
 from monet_cli.profiler.capture import CallTimer, LifetimeRecorder, OpTimer, StepRecorder, Timings
-from monet_cli.profiler.in_step import as_written_step_ms, can_pair, price_in_step
+from monet_cli.profiler.in_step import NOISY_PRICES, as_written_step_ms, can_pair, price_in_step
 from monet_cli.profiler.overheads import measure_overheads
 from monet_cli.profiler.probe import probe_overheads
 from monet_cli.profiler.rehearse import Rehearsal
@@ -63,8 +63,6 @@ TIMING_BUDGET_S = 3.0
 median of the bench's steps that followed (tiny_gpt: 67.8 ms against 51.0), and every
 in-step price, taken in the profile's step time, moved with it."""
 MAX_STEPS_PER_TICK = 5
-NOISY_PRICES = 0.03
-"""Of the step: the time model's target is a predicted overhead within 3 points of the measured."""
 
 
 def _no_progress(label: str) -> None:

@@ -245,3 +245,22 @@ def test_the_report_gives_each_plan_s_predictions_across_profiles():
     low, high = 100 * predicted["overhead"], 100 * slower["overhead"]
     assert line.endswith(f"spread over up to 5.0 points (40%: {low:+.1f}% to {high:+.1f}%)")
     assert spread_line({"rows": [row]}, "unet") == [] and spread_line(None, "gpt") == []
+
+
+def test_pytorch_s_checkpoint_is_predicted_without_a_schedule_s_checks(resnet18_profile):
+    """The bench's every-k points run PyTorch's checkpoint on the model as written, with none
+    of the checks ``apply`` installs: their prediction leaves ``checks_ms`` out, which a
+    schedule's pays."""
+    from dataclasses import replace
+
+    from bench.run import simulated
+    from monet_cli.core.segments import SegmentModel
+    from monet_cli.core.simulate import simulate
+
+    blocks = ["layer1", "layer3"]
+    checked = replace(resnet18_profile, overheads=replace(resnet18_profile.overheads, checks_ms=5.0))
+    unchecked = replace(resnet18_profile, overheads=replace(resnet18_profile.overheads, checks_ms=0.0))
+    assert simulated(SegmentModel(checked), blocks) == simulated(SegmentModel(unchecked), blocks)
+    model = SegmentModel(checked)
+    plan = {c: frozenset() for c, seg in model.segments.items() if seg.fqn in blocks and not seg.range}
+    assert simulate(checked, plan, model=model).added_ms == pytest.approx(simulate(unchecked, plan).added_ms + 5.0)

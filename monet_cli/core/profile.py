@@ -196,9 +196,11 @@ class Overheads:
     """How far the step's noise alone may move the prices timed in the step: half the 90%
     interval (the sign test's) of the median difference the largest calls checkpointed made,
     in the profile's time. A deep schedule re-runs about what that set re-runs, so its
-    predicted step may be off by this much from the profile's noise alone; on 12-07 a noisy
-    spell of this CPU (plain steps spreading 10 to 15%) put it at 2 to 7 ms of a 120 to 180 ms
-    unet or ``tiny_gpt`` step. 0 where not measured (calls timed alone, older profiles)."""
+    predicted step may be off by this much from the profile's noise alone. Taken over both
+    batches of rounds where the step's noise ran the sets twice (``profiler/in_step.py``). In
+    a noisy spell of this CPU (12-07, plain steps of 108 to 184 ms with standard deviations of
+    12 to 22 ms) one batch put it at 3.1 to 10.0 ms on the unet and ``tiny_gpt``, two at 2.7 to
+    5.6. 0 where not measured (calls timed alone, older profiles)."""
     saved_tensor_ms: float = 0.0
     """Each tensor autograd saves inside a segment: the frame's pack hook in the forward and
     again in the recompute, and its unpack. Profiles made before it was measured say 0 (their

@@ -40,9 +40,8 @@ The three sets run in rounds: the plain step and each set once, the order rotate
 to round, each set's difference taken against its own round's plain step (``_interleaved``),
 as many rounds as the steps of three measurements of ``pairs`` pairs (twice as many where the
 step is noisy: ``NOISY_PRICES``; how far its noise may still move the prices is
-``price_noise_ms``). Timed one set after
-another, each paired with its own plain steps, the three spanned 25 s of a machine that
-changes speed within minutes. In a same-run comparison (12-07, six runs on tiny_gpt and the
+``price_noise_ms``). Timed one set after another, each paired with its own plain steps, the
+three spanned 25 s of a machine that changes speed within minutes. In a same-run comparison (12-07, six runs on tiny_gpt and the
 unet, 22 profiles each way in alternation, every plan's prediction against one interleaved
 measurement of 61 repeats) the rounds put 68 of 77 predictions within 3 points of the
 measured overhead against 56 of 77 (mean absolute miss 1.6 points against 2.2, one plan's

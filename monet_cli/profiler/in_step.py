@@ -41,12 +41,13 @@ to round, each set's difference taken against its own round's plain step (``_int
 as many rounds as the steps of three measurements of ``pairs`` pairs (twice as many where the
 step is noisy: ``NOISY_PRICES``; how far its noise may still move the prices is
 ``price_noise_ms``). Timed one set after another, each paired with its own plain steps, the
-three spanned 25 s of a machine that changes speed within minutes. In a same-run comparison (12-07, six runs on tiny_gpt and the
-unet, 22 profiles each way in alternation, every plan's prediction against one interleaved
-measurement of 61 repeats) the rounds put 68 of 77 predictions within 3 points of the
-measured overhead against 56 of 77 (mean absolute miss 1.6 points against 2.2, one plan's
-predictions spreading at most 5.5 points against 16.4: one profile of the sets timed apart,
-in a slow spell, priced a re-run op at 20 us and missed the deepest plan by 11.0 points).
+three spanned 25 s of a machine that changes speed within minutes. In a same-run comparison
+(12-07, six runs on tiny_gpt and the unet, 22 profiles each way in alternation, every plan's
+prediction against one interleaved measurement of 61 repeats) the rounds put 68 of 77
+predictions within 3 points of the measured overhead against 56 of 77 (mean absolute miss 1.6
+points against 2.2, one plan's predictions spreading at most 5.5 points against 16.4: one
+profile of the sets timed apart, in a slow spell, priced a re-run op at 20 us and missed the
+deepest plan by 11.0 points).
 Each set is priced at its calls' walls timed again in plain steps between the rounds
 (``CallTimer``, after every other round), and what it adds beyond that price is put in the
 profile's time by those steps over the profile's. Priced at the profile's walls instead,
@@ -133,7 +134,7 @@ def price_in_step(workload: Workload, profile: Profile, steps: int) -> Overheads
     try:
         switches = [_toggles([toggles[c] for c in calls]) for calls in sets]
         differences = _interleaved(workload, switches, pairs, walls, checks.set)
-        if _half_width(differences[-1]) > NOISY_PRICES * statistics.median(walls.step_ms):
+        if too_noisy(_half_width(differences[-1]), walls.median_step_ms()):
             more = _interleaved(workload, switches, pairs, walls, checks.set)
             differences = [first + second for first, second in zip(differences, more, strict=True)]
     finally:
@@ -197,6 +198,12 @@ def _unpriced(few: _Checkpointed, many: _Checkpointed, long: _Checkpointed) -> t
         if once_ms >= 0 and op_ms >= 0:
             return once_ms, solution[1 if with_once else 0], op_ms
     return 0.0, many.unpriced_ms / many.frames, 0.0
+
+
+def too_noisy(noise_ms: float, step_ms: float) -> bool:
+    """Whether the step's noise alone may move a deep schedule's predicted step by more than
+    ``NOISY_PRICES`` of it (both in one machine's time)."""
+    return noise_ms > NOISY_PRICES * step_ms
 
 
 def _half_width(differences: list[float]) -> float:

@@ -38,7 +38,7 @@ from monet_cli.core.variants import find_sites
 from monet_cli.errors import CheckpointConflictError, FingerprintError, ModelError
 from monet_cli.profiler.alone import price_alone
 from monet_cli.profiler.capture import CallTimer, LifetimeRecorder, OpTimer, StepRecorder, Timings
-from monet_cli.profiler.in_step import NOISY_PRICES, as_written_step_ms, can_pair, price_in_step
+from monet_cli.profiler.in_step import as_written_step_ms, can_pair, price_in_step, too_noisy
 from monet_cli.profiler.overheads import measure_overheads
 from monet_cli.profiler.probe import probe_overheads
 from monet_cli.profiler.rehearse import Rehearsal
@@ -201,8 +201,8 @@ def warn_on_speed_change(workload: Workload, step_ms: list[float]) -> None:
 
 def warn_if_noisy_prices(overheads: Overheads, step_ms: float) -> None:
     """Warn where the step's noise alone may move a deep schedule's predicted overhead by more
-    than ``NOISY_PRICES`` of the step (``Overheads.price_noise_ms``)."""
-    if overheads.price_noise_ms > NOISY_PRICES * step_ms:
+    than ``in_step.NOISY_PRICES`` of the step (``Overheads.price_noise_ms``)."""
+    if too_noisy(overheads.price_noise_ms, step_ms):
         warnings.warn(
             f"monet: the step's time is noisy on this machine: checkpointing's prices timed in the step "
             f"hold to +-{overheads.price_noise_ms:.1f} ms at 90% ({100 * overheads.price_noise_ms / step_ms:.1f}% "

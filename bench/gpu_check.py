@@ -74,13 +74,14 @@ def _spec(name: str):
 
 def run_workload(name: str, device: torch.device, *, workers: int = 2, save: Path | None = None) -> dict:
     from bench.real_models import case_budgets
-    from monet_cli.core.plan import solve_schedule
+    from monet_cli.core.plan import predicted_for, solve_schedule
     from monet_cli.core.profile import save_profile
     from monet_cli.core.schedule import save_schedule
     from monet_cli.core.segments import SegmentModel
     from monet_cli.core.simulate import simulate
     from monet_cli.core.solver.search import Planner
     from monet_cli.profiler.run import profile_model
+    from monet_cli.profiler.window import WindowTimer
     from monet_cli.runtime.compare import run_apply
 
     start = time.perf_counter()
@@ -108,7 +109,8 @@ def run_workload(name: str, device: torch.device, *, workers: int = 2, save: Pat
             )
         if save is not None:
             save_schedule(schedule, save / f"{name}-{label}.schedule.yaml")
-        report = run_apply(schedule, device, steps=3, check=True)
+        window = WindowTimer(profile)
+        report = run_apply(schedule, device, steps=3, check=True, window=window)
         check = report.check
         runs.append(
             {
@@ -123,6 +125,7 @@ def run_workload(name: str, device: torch.device, *, workers: int = 2, save: Pat
                 "error": report.prediction_error,
                 "within_budget": report.within_budget,
                 "predicted_overhead": report.predicted_overhead,
+                "predicted_overhead_here": predicted_for(schedule, window.in_window()).overhead,
                 "measured_overhead": report.overhead,
                 "grads_ok": check.ok,
                 "check": check.describe(),

@@ -33,8 +33,8 @@ if str(ROOT) not in sys.path:
 
 from bench import methods as M  # noqa: E402
 from bench.pairing import paired_overhead, paired_ratios  # noqa: E402
-from bench.run import WORKLOADS, log, measure_eager, predicted_overhead, write_rows  # noqa: E402
-from monet_cli.core.plan import plan_of, solve_schedule, variants_of  # noqa: E402
+from bench.run import WORKLOADS, log, measure_eager, write_rows  # noqa: E402
+from monet_cli.core.plan import plan_of, predicted_for, solve_schedule, variants_of  # noqa: E402
 from monet_cli.core.profile import Overheads, Profile  # noqa: E402
 from monet_cli.core.schedule import Schedule  # noqa: E402
 from monet_cli.core.segments import SegmentModel  # noqa: E402
@@ -100,7 +100,7 @@ def prediction(profile: Profile, schedule: Schedule) -> dict[str, Any]:
     for part, names in PARTS.items():
         parts[part] = total_ms - added_ms(_without(profile.overheads, names))
     return {
-        "overhead": predicted_overhead(SegmentModel(profile), profile, schedule),
+        "overhead": predicted_for(schedule, profile).overhead,
         "added_ms": total_ms,
         "parts_ms": {part: round(ms, 3) for part, ms in parts.items()},
     }

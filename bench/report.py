@@ -204,7 +204,7 @@ def targets(result: dict[str, Any]) -> list[str]:
 IN_WINDOW = (
     "predicted_overhead_in_window",
     "the one predicted from the profile's step and call times taken again in the bench's own repeats "
-    "(`bench/window.py`)",
+    "(`monet_cli/profiler/window.py`)",
 )
 """The second prediction each point is judged by: its key in a result's points and what it is."""
 

@@ -36,14 +36,13 @@ sys.path.insert(0, str(ROOT))
 
 from bench import methods as M  # noqa: E402
 from bench.pairing import paired_overhead  # noqa: E402
-from bench.window import WindowTimer  # noqa: E402
-from monet_cli.core.plan import plan_of, predicted, solve_schedule, variants_of  # noqa: E402
+from monet_cli.core.plan import plan_of, predicted, predicted_for, solve_schedule, variants_of  # noqa: E402
 from monet_cli.core.profile import InputSpec, Profile  # noqa: E402
-from monet_cli.core.schedule import Schedule  # noqa: E402
 from monet_cli.core.segments import SegmentModel  # noqa: E402
 from monet_cli.core.simulate import SimResult, simulate  # noqa: E402
 from monet_cli.core.solver.search import Hint, Planner  # noqa: E402
 from monet_cli.profiler.run import env_info, profile_model  # noqa: E402
+from monet_cli.profiler.window import WindowTimer  # noqa: E402
 from monet_cli.runtime.host_memory import keep_freed_host_memory  # noqa: E402
 from monet_cli.runtime.meter import measure_peak  # noqa: E402
 from monet_cli.runtime.sharing import others_busy_since, read_cpu_times, usable_cpus  # noqa: E402
@@ -159,12 +158,6 @@ def simulated(model: SegmentModel, checkpointed: list[str]) -> dict[str, Any]:
     }
 
 
-def predicted_overhead(model: SegmentModel, profile: Profile, schedule: Schedule) -> float:
-    """The overhead ``model`` (made from ``profile``) predicts for ``schedule``'s plan."""
-    result = simulate(model.profile, plan_of(schedule, model), model=model, variants=variants_of(schedule, profile))
-    return predicted(model.profile, result).overhead
-
-
 def op_sum_overhead(model: SegmentModel, plan: dict, variants: frozenset[int] = frozenset()) -> float:
     """The overhead the time model before the calls' wall times predicts for the same schedule (a
     recompute priced at its ops' timed sum): both models against one measurement."""
@@ -200,8 +193,6 @@ def measure_eager(
     rotating order; ``window`` times the profile's step and calls once a round."""
     for m in methods:
         m.workload.timed_step(seed=0)  # warm-up
-    if window is not None:
-        window.workload.timed_step(seed=0)
     peaks = {m.name: live_peak(m) for m in methods}
     times: dict[str, list[float]] = {m.name: [] for m in methods}
     for r in range(repeats):
@@ -209,7 +200,7 @@ def measure_eager(
         for m in order:
             times[m.name].append(m.workload.timed_step(seed=r))
         if window is not None:
-            window.tick()
+            window.tick(as_written_ms=times[methods[0].name][-1])
     return {
         m.name: {
             "peak_bytes": peaks[m.name],
@@ -287,15 +278,16 @@ def run_workload(
     log(f"{w.name}: building methods")
     eager += [M.monet(spec, device, schedule, info) for schedule, info in solved]
     log(f"{w.name}: measuring {len(eager)} eager methods x {repeats} repeats")
-    window = WindowTimer(build_workload(spec, device), profile)
+    window = WindowTimer(profile)
+    window.start(build_workload(spec, device))
     cpu_times = read_cpu_times()
     measured = measure_eager(eager, repeats, window)
     other_work = others_busy_since(cpu_times)
     base = measured[eager[0].name]
-    window_profile = window.in_window(base["step_ms_all"])
+    window_profile = window.in_window()
     window_model = SegmentModel(window_profile)
     for schedule, info in solved:
-        info["predicted_overhead_in_window"] = predicted_overhead(window_model, window_profile, schedule)
+        info["predicted_overhead_in_window"] = predicted_for(schedule, window_profile).overhead
     points = []
     for m in eager:
         row = {"method": m.name, "kind": m.kind, "meter": m.meter, **measured[m.name], "info": {}}

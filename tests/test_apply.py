@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import statistics
+from pathlib import Path
+
 import pytest
 import torch
 from conftest import small_spec
@@ -284,3 +287,100 @@ def test_apply_warns_when_the_step_runs_at_another_speed_than_profiled():
         warn_if_other_speed(50.0, 50.0 * SPEED_CHANGE * 0.99)
         warn_if_other_speed(50.0, 50.0 / SPEED_CHANGE * 1.01)
         warn_if_other_speed(0.5, 0.9)
+
+
+def test_a_profile_timed_again_predicts_from_the_window_s_times():
+    """The window's times put into the shipped gpt profile: its own times give its own
+    predictions; a machine twice as slow everywhere, the same overheads; a step slower in its
+    backward only (the forward's calls as before), less overhead. The model as written takes
+    the median of its paired ratios to the window's steps."""
+    from monet_cli.core.plan import predicted_for, solve_schedule
+    from monet_cli.core.profile import load_profile
+    from monet_cli.core.segments import SegmentModel
+    from monet_cli.core.solver.search import Planner
+    from monet_cli.profiler.capture import Timings
+    from monet_cli.profiler.window import in_window
+
+    profile = load_profile(Path("configs/gpt.profile.yaml"))
+    planner = Planner(SegmentModel(profile))
+    schedule, _ = solve_schedule(
+        planner, profile.baseline.peak_bytes // 2, "50%", time_limit_s=20, workers=1, seed=0, relative_gap=0.01
+    )
+    assert schedule is not None
+    own = predicted_for(schedule, profile).overhead
+    assert own == schedule.predicted.overhead
+
+    def again(step_scale: float, call_scale: float) -> float:
+        calls = [call.time_ms * call_scale for call in profile.calls]
+        timings = Timings(step_ms=[profile.baseline.step_ms * step_scale] * 3, call_ms=[calls] * 3)
+        window = in_window(profile, timings)
+        return predicted_for(schedule, window).overhead
+
+    assert again(1.0, 1.0) == pytest.approx(own, abs=1e-5)
+    assert again(2.0, 2.0) == pytest.approx(own, abs=1e-5)
+    assert again(1.2, 1.0) < own / 1.1
+    # The model as written, paired repeat by repeat with the window's steps: 5%, 5% and 10% faster
+    # (the ratio of the medians would say 10%).
+    calls = [[call.time_ms for call in profile.calls]] * 3
+    window = in_window(profile, Timings(step_ms=[80.0, 100.0, 90.0], call_ms=calls), [76.0, 95.0, 81.0])
+    assert window.baseline.step_ms == 90.0 and window.baseline.as_written_step_ms == pytest.approx(85.5)
+
+
+def test_apply_times_the_profiled_step_after_every_pair_with_that_pair_s_unmodified_step():
+    """A window ticks once after each pair, given the pair's unmodified step (the model as
+    written, paired with it), and the other-speed warning is left to a run without one."""
+    from monet_cli.runtime import compare
+
+    events: list[object] = []
+
+    class Stub:
+        def __init__(self, name: str, times: list[float]) -> None:
+            self.name, self.times = name, iter(times)
+
+        def timed_step(self, seed: int) -> float:
+            events.append(self.name)
+            return next(self.times)
+
+    class Window:
+        def tick(self, as_written_ms: float) -> None:
+            events.append(as_written_ms)
+
+    baseline = Stub("baseline", [100.0, 90.0, 200.0])
+    scheduled = Stub("scheduled", [110.0, 120.0, 230.0])
+    compare._timed_pairs(baseline, scheduled, 3, lambda label: None, Window())
+    assert events == ["baseline", "scheduled", 100.0, "scheduled", "baseline", 90.0, "baseline", "scheduled", 200.0]
+
+
+def test_the_profiled_step_is_the_unmodified_model_unless_monet_s_preparation_changes_it():
+    """Where no activation runs in place (tiny_gpt), the unmodified model is what the profile
+    timed and no third model is built; resnet18's in-place ReLUs need a prepared one, whose
+    as-written step is then paired with the window's."""
+    from monet_cli.runtime.compare import _profiled_workload
+    from monet_cli.workload.step import build_workload
+
+    gpt = WORKLOADS["tiny_gpt_dropout"]()
+    plain = build_workload(gpt, CPU, prepare=False)
+    assert _profiled_workload(gpt, CPU, plain) is plain
+    spec = small_spec()
+    as_written = build_workload(spec, CPU, prepare=False)
+    prepared = _profiled_workload(spec, CPU, as_written)
+    assert prepared is not as_written and prepared.out_of_place
+
+
+def test_apply_prices_the_schedule_again_in_its_own_run(resnet18_profile):
+    """A real apply with a window: one timed step of the prepared model per pair, and the
+    schedule predicted again from them at that run's step."""
+    from monet_cli.core.plan import predicted_for
+    from monet_cli.profiler.window import WindowTimer
+
+    model = SegmentModel(resnet18_profile)
+    schedule = plan_schedule(resnet18_profile, max(level_plans(model).values(), key=len), model=model)
+    window = WindowTimer(resnet18_profile)
+    run_apply(schedule, CPU, steps=3, check=False, window=window)
+    assert len(window.timings.step_ms) == len(window.as_written_ms) == 3
+    assert window.workload.out_of_place  # resnet18's ReLUs run in place as written
+    priced = window.in_window()
+    assert priced.baseline.step_ms == statistics.median(window.timings.step_ms)
+    here = predicted_for(schedule, priced)
+    assert here.baseline_step_ms == priced.baseline.as_written_step_ms is not None
+    assert here.overhead > 0

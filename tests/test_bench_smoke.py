@@ -58,44 +58,6 @@ def test_reach_bench_measures_each_family_floor(tmp_path: Path):
     assert "- gpt: 1.000x" in missed and "  - why: " in missed
 
 
-def test_a_profile_timed_again_predicts_from_the_window_s_times():
-    """The window's times put into the shipped gpt profile: its own times give its own
-    predictions; a machine twice as slow everywhere, the same overheads; a step slower in its
-    backward only (the forward's calls as before), less overhead. The model as written takes
-    the median of its paired ratios to the window's steps."""
-    from bench.run import predicted_overhead
-    from bench.window import in_window
-    from monet_cli.core.plan import solve_schedule
-    from monet_cli.core.profile import load_profile
-    from monet_cli.core.segments import SegmentModel
-    from monet_cli.core.solver.search import Planner
-    from monet_cli.profiler.capture import Timings
-
-    profile = load_profile(Path("configs/gpt.profile.yaml"))
-    planner = Planner(SegmentModel(profile))
-    schedule, _ = solve_schedule(
-        planner, profile.baseline.peak_bytes // 2, "50%", time_limit_s=20, workers=1, seed=0, relative_gap=0.01
-    )
-    assert schedule is not None
-    own = predicted_overhead(planner.model, profile, schedule)
-    assert own == schedule.predicted.overhead
-
-    def again(step_scale: float, call_scale: float) -> float:
-        calls = [call.time_ms * call_scale for call in profile.calls]
-        timings = Timings(step_ms=[profile.baseline.step_ms * step_scale] * 3, call_ms=[calls] * 3)
-        window = in_window(profile, timings)
-        return predicted_overhead(SegmentModel(window), window, schedule)
-
-    assert again(1.0, 1.0) == pytest.approx(own, abs=1e-5)
-    assert again(2.0, 2.0) == pytest.approx(own, abs=1e-5)
-    assert again(1.2, 1.0) < own / 1.1
-    # The model as written, paired repeat by repeat with the window's steps: 5%, 5% and 10% faster
-    # (the ratio of the medians would say 10%).
-    calls = [[call.time_ms for call in profile.calls]] * 3
-    window = in_window(profile, Timings(step_ms=[80.0, 100.0, 90.0], call_ms=calls), [76.0, 95.0, 81.0])
-    assert window.baseline.step_ms == 90.0 and window.baseline.as_written_step_ms == pytest.approx(85.5)
-
-
 def test_the_time_model_target_is_judged_on_paired_repeats_with_their_interval():
     """Each monet point's overhead is the median of its steps over the unmodified step's in
     the same repeat. Within 3 points of the prediction is met; further off but with the

@@ -93,6 +93,7 @@ def test_apply_holds_budget_and_gradients(workdir: Path):
         "overhead",
         "overhead_range",
         "predicted_overhead",
+        "predicted_overhead_here",
         "profiled_baseline_step_ms",
         "grads_match",
         "within_budget",
@@ -102,9 +103,14 @@ def test_apply_holds_budget_and_gradients(workdir: Path):
     assert report["predicted_overhead"] == load_schedule(path).predicted.overhead
     assert report["profiled_baseline_step_ms"] == load_schedule(path).predicted.baseline_step_ms
     assert report["overhead_range"] == [report["overhead"], report["overhead"]]  # one pair
+    # Its profile is not in this directory's configs/: nothing to price it again from.
+    assert report["predicted_overhead_here"] is None
+    assert "not in configs/ (or --profile): no prediction at this run's speed" in result.stderr
     assert report["measured_peak_bytes"] <= report["budget_bytes"]
     assert abs(report["predicted_peak_bytes"] - report["measured_peak_bytes"]) <= 0.02 * report["measured_peak_bytes"]
-    checked = json.loads(monet("apply", str(path), "--steps", "1", "--check", "--json").stdout)
+    profile = str(workdir / "configs" / "skip.profile.yaml")
+    checked = json.loads(monet("apply", str(path), "--steps", "1", "--check", "--profile", profile, "--json").stdout)
+    assert checked["predicted_overhead_here"] > 0  # priced again from the step timed after the pair
     assert checked["grads_match"] is True
     assert checked["baseline_peak_bytes"] == report["baseline_peak_bytes"]  # both after a first step
     assert checked["check"]["mode"] == "exact" and checked["check"]["max_grad_diff"] == 0.0

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from monet_cli.core.profile import Profile
 from monet_cli.core.schedule import load_schedule
 from monet_cli.core.units import format_bytes
 from monet_cli.errors import OverBudgetError, UsageError
@@ -34,6 +35,7 @@ def report_json(report) -> dict[str, Any]:
         "overhead": report.overhead,
         "overhead_range": list(report.overhead_range),
         "predicted_overhead": report.predicted_overhead,
+        "predicted_overhead_here": None if report.predicted_here is None else report.predicted_here.overhead,
         "profiled_baseline_step_ms": report.profiled_baseline_step_ms,
         "grads_match": None if report.check is None else report.check.ok,
         "within_budget": report.within_budget,
@@ -93,18 +95,27 @@ def _step_time(report) -> str:
     pairs = len(report.paired_overheads)
     low, high = report.overhead_range
     spread = f" over {pairs} pairs, {100 * low:+.1f}% to {100 * high:+.1f}%" if pairs > 1 else " in 1 pair"
+    here = report.predicted_here
+    at_this_speed = (
+        ""
+        if here is None
+        else f"; {100 * here.overhead:+.1f}% priced again in this run (at a {here.baseline_step_ms:.1f} ms step)"
+    )
     return (
         f"{report.step_ms:.1f} ms vs {report.baseline_step_ms:.1f} ms: {100 * report.overhead:+.1f}%{spread}; "
         f"predicted {100 * report.predicted_overhead:+.1f}% (priced at a {report.profiled_baseline_step_ms:.1f} ms "
-        "unmodified step)"
+        f"unmodified step){at_this_speed}"
     )
 
 
 def run(args: ApplyArgs) -> None:
     from rich.console import Console
 
+    from monet_cli.cli.inspect_cmd import find_profile
     from monet_cli.cli.render import print_json, stderr
     from monet_cli.cli.solve_cmd import newest
+    from monet_cli.core.plan import predicted_for
+    from monet_cli.profiler.window import WindowTimer
     from monet_cli.runtime.compare import run_apply
     from monet_cli.workload.step import resolve_device
 
@@ -115,6 +126,8 @@ def run(args: ApplyArgs) -> None:
     device = resolve_device(args.device or schedule.fingerprint.device_type)
     if args.timeline is not None and device.type != "cpu":
         raise UsageError("--timeline records the measured step with the CPU meter; use --device cpu")
+    found = find_profile(schedule, args.profile)
+    window = None if found is None else WindowTimer(found[0])
     with stderr.status("applying ...") as status:
         report = run_apply(
             schedule,
@@ -123,9 +136,15 @@ def run(args: ApplyArgs) -> None:
             check=args.check,
             timeline=args.timeline is not None,
             progress=lambda label: status.update(f"apply: {label}"),
+            window=window,
         )
+    if window is None:
+        missing = "no prediction at this run's speed" + (", no predicted timeline" if args.timeline else "")
+        stderr.print(f"note: the schedule's profile is not in configs/ (or --profile): {missing}")
+    else:
+        report = replace(report, predicted_here=predicted_for(schedule, window.in_window()))
     if args.timeline is not None:
-        write_measured_timeline(args.timeline, schedule, report, args.profile)
+        write_measured_timeline(args.timeline, schedule, report, found)
         stderr.print(f"[green]wrote[/green] {args.timeline}")
     if args.json_output:
         print_json(report_json(report))
@@ -142,10 +161,8 @@ def run(args: ApplyArgs) -> None:
         )
 
 
-def write_measured_timeline(path: Path, schedule, report, profile_path: Path | None) -> None:
+def write_measured_timeline(path: Path, schedule, report, found: tuple[Profile, Path] | None) -> None:
     """Measured baseline and schedule beside the predicted schedule (when its profile is found)."""
-    from monet_cli.cli.inspect_cmd import find_profile
-    from monet_cli.cli.render import stderr
     from monet_cli.cli.timeline import Series, write_timeline
     from monet_cli.core.plan import plan_of, variants_of
     from monet_cli.core.segments import SegmentModel
@@ -155,7 +172,6 @@ def write_measured_timeline(path: Path, schedule, report, profile_path: Path | N
         Series(label="no checkpointing (measured)", values=report.baseline_timeline),
         Series(label=f"schedule {schedule.budget_spec} (measured)", values=report.timeline),
     ]
-    found = find_profile(schedule, profile_path)
     if found is not None:
         model = SegmentModel(found[0])
         series.append(
@@ -164,6 +180,4 @@ def write_measured_timeline(path: Path, schedule, report, profile_path: Path | N
                 values=live_series(model, plan_of(schedule, model), variants_of(schedule, found[0])),
             )
         )
-    else:
-        stderr.print("note: the schedule's profile is not in configs/ (or --profile): no predicted line")
     write_timeline(path, f"{schedule.model.name}: live memory over one step", series, schedule.budget_bytes)

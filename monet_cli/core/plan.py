@@ -139,6 +139,15 @@ def predicted(profile: Profile, result: SimResult) -> Predicted:
     )
 
 
+def predicted_for(schedule: Schedule, profile: Profile) -> Predicted:
+    """What ``profile``'s prices predict for ``schedule``'s decisions: the schedule's own
+    prediction from its own profile, or the one at another speed from that profile timed again
+    (``monet_cli/profiler/window.py``)."""
+    model = SegmentModel(profile)
+    result = simulate(model.profile, plan_of(schedule, model), model=model, variants=variants_of(schedule, profile))
+    return predicted(model.profile, result)
+
+
 def build_schedule(
     profile: Profile,
     plan: Plan,

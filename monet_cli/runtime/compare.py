@@ -2,7 +2,9 @@
 
 Same weights (seeded build), same data, same RNG stream per step. Peak memory is read
 with the profiler's meter; step time is the median of plain, unmetered steps,
-interleaved between the two models.
+interleaved between the two models. Where the caller passes a ``Window``, each pair is
+followed by one step of the profile's workload with its calls timed, from which the schedule
+is priced again at this run's speed.
 
 The gradient check runs both first steps under deterministic algorithms and demands equal
 bits. A model with an op that has no deterministic kernel on the device (some CUDA
@@ -19,17 +21,18 @@ import statistics
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
-from monet_cli.core.profile import other_speed
-from monet_cli.core.schedule import Schedule
+from monet_cli.core.profile import ModelSpec, other_speed
+from monet_cli.core.schedule import Predicted, Schedule
 from monet_cli.errors import FingerprintError, ModelError
 from monet_cli.runtime.executor import apply_schedule, machinery
 from monet_cli.runtime.host_memory import keep_freed_host_memory
 from monet_cli.runtime.meter import measure_peak
 from monet_cli.runtime.sharing import others_busy_since, read_cpu_times, warn_if_shared
-from monet_cli.workload.step import Workload, build_workload, configure_cuda, run_checked
+from monet_cli.workload.step import Workload, build_workload, configure_cuda, in_place_activations, run_checked
 
 CHECK_SEED = 1234
 TOLERANCES = {"32": (1e-3, 1e-5), "bf16-mixed": (2e-2, 1e-3), "fp16-mixed": (2e-2, 1e-3)}
@@ -93,6 +96,9 @@ class ApplyReport:
     timeline: tuple[int, ...] = ()
     """Measured live bytes after each op of the scheduled step (CPU, when asked for)."""
     baseline_timeline: tuple[int, ...] = ()
+    predicted_here: Predicted | None = None
+    """The schedule predicted again from its profile's step and calls timed in this run's
+    pairs (``monet_cli/profiler/window.py``); None where its profile was not at hand."""
 
     @property
     def within_budget(self) -> bool:
@@ -280,6 +286,14 @@ def _variants_check(
     )
 
 
+class Window(Protocol):
+    """Times the profile's workload once per timed pair (``monet_cli/profiler/window.py``)."""
+
+    def start(self, workload: Workload) -> None: ...
+
+    def tick(self, as_written_ms: float) -> None: ...
+
+
 def run_apply(
     schedule: Schedule,
     device: torch.device,
@@ -288,6 +302,7 @@ def run_apply(
     check: bool,
     progress: Callable[[str], None] = lambda label: None,
     timeline: bool = False,
+    window: Window | None = None,
 ) -> ApplyReport:
     configure_cuda(device)
     keep_freed_host_memory()  # time the steps as the profile did
@@ -309,14 +324,17 @@ def run_apply(
         ),
         "scheduled step",
     )
+    if window is not None:
+        window.start(_profiled_workload(schedule.model, device, baseline))
     cpu_times = read_cpu_times()
-    base_ms, sched_ms = _timed_pairs(baseline, scheduled, steps, progress)
+    base_ms, sched_ms = _timed_pairs(baseline, scheduled, steps, progress, window)
     warn_if_shared(
         others_busy_since(cpu_times) if device.type == "cpu" else None,
         "apply timed its steps",
         "the measured overhead may say more about that work than about the schedule",
     )
-    warn_if_other_speed(schedule.predicted.baseline_step_ms, statistics.median(base_ms))
+    if window is None:
+        warn_if_other_speed(schedule.predicted.baseline_step_ms, statistics.median(base_ms))
     return ApplyReport(
         budget_bytes=schedule.budget_bytes,
         predicted_peak_bytes=schedule.predicted.peak_bytes,
@@ -350,12 +368,24 @@ def warn_if_other_speed(profiled_ms: float, measured_ms: float) -> None:
         )
 
 
+def _profiled_workload(spec: ModelSpec, device: torch.device, baseline: Workload) -> Workload:
+    """The workload ``spec``'s profile timed: the unmodified one where monet's preparation
+    switches no activation out of place (so no third model takes memory), else built."""
+    if not (spec.out_of_place_activations and in_place_activations(baseline.model)):
+        return baseline
+    return run_checked(lambda: build_workload(spec, device), "building the profiled model")
+
+
 def _timed_pairs(
-    baseline: Workload, scheduled: Workload, steps: int, progress: Callable[[str], None]
+    baseline: Workload,
+    scheduled: Workload,
+    steps: int,
+    progress: Callable[[str], None],
+    window: Window | None = None,
 ) -> tuple[list[float], list[float]]:
     """``steps`` pairs of one unmodified and one scheduled step, in ms, the first of each pair
     taking turns: a step that runs second in every pair can gain or lose by what the first left
-    behind (caches, the allocator's free blocks)."""
+    behind (caches, the allocator's free blocks). ``window`` ticks after each pair."""
     base_ms, sched_ms = [], []
     for i in range(steps):
         progress(f"timing steps ({i + 1}/{steps})")
@@ -363,4 +393,6 @@ def _timed_pairs(
         pair = [(baseline, base_ms, "baseline step"), (scheduled, sched_ms, "scheduled step")]
         for workload, times, label in pair if i % 2 == 0 else reversed(pair):
             times.append(run_checked(lambda: workload.timed_step(seed), label))  # noqa: B023 (called now)
+        if window is not None:
+            run_checked(lambda: window.tick(base_ms[-1]), "profiled step")
     return base_ms, sched_ms

@@ -89,14 +89,19 @@ def make_out_of_place(model: nn.Module) -> tuple[nn.Module, ...]:
     BatchNorm's output mutated, which selective checkpointing refuses to keep. The
     out-of-place version costs no memory when the next op saves the output anyway.
     """
-    changed = tuple(
+    changed = in_place_activations(model)
+    for module in changed:
+        module.inplace = False
+    return changed
+
+
+def in_place_activations(model: nn.Module) -> tuple[nn.Module, ...]:
+    """The activation modules of ``model`` that run in place."""
+    return tuple(
         module
         for module in model.modules()
         if isinstance(module, _ACTIVATIONS_WITH_INPLACE) and getattr(module, "inplace", False)
     )
-    for module in changed:
-        module.inplace = False
-    return changed
 
 
 def turn_off_kv_cache(model: nn.Module) -> bool:

@@ -32,7 +32,10 @@ def apply(
     ] = None,
     profile: Annotated[
         Optional[Path],
-        typer.Option(help="The schedule's profile, for the predicted timeline. Default: found in configs/."),
+        typer.Option(
+            help="The schedule's profile, to price the schedule again at this run's speed and for the predicted "
+            "timeline. Default: found in configs/ by its sha256."
+        ),
     ] = None,
     json_output: JsonOutput = False,
 ) -> None:

@@ -105,7 +105,7 @@ def test_apply_holds_budget_and_gradients(workdir: Path):
     assert report["overhead_range"] == [report["overhead"], report["overhead"]]  # one pair
     # Its profile is not in this directory's configs/: nothing to price it again from.
     assert report["predicted_overhead_here"] is None
-    assert "not in configs/ (or --profile): no prediction at this run's speed" in result.stderr
+    assert "not in configs/ (or --profile): no prediction at this run's speed" in " ".join(result.stderr.split())
     assert report["measured_peak_bytes"] <= report["budget_bytes"]
     assert abs(report["predicted_peak_bytes"] - report["measured_peak_bytes"]) <= 0.02 * report["measured_peak_bytes"]
     profile = str(workdir / "configs" / "skip.profile.yaml")

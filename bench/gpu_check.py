@@ -170,6 +170,12 @@ def _offloaded(run: dict) -> str:
     return f"; offloads {', '.join(m or '<model>' for m in offloads)}" if offloads else ""
 
 
+def _priced_here(run: dict) -> str:
+    """The prediction priced again in apply's own run (absent from runs before 12-07)."""
+    here = run.get("predicted_overhead_here")
+    return "" if here is None else f" ({100 * here:+.1f}%)"
+
+
 def render(summary: dict) -> str:
     lines = [
         "# monet on a GPU: measured",
@@ -181,8 +187,8 @@ def render(summary: dict) -> str:
         "split) and 'requests' (the sum of the requests), both computed from its profiles. 'unmodified': the "
         "model without the schedule, measured beside it.",
         "",
-        "| workload | budget | predicted | requests | measured | error | within | unmodified | overhead pred / meas "
-        "| gradients |",
+        "| workload | budget | predicted | requests | measured | error | within | unmodified | overhead pred "
+        "(priced in the run) / meas | gradients |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for w in summary["workloads"]:
@@ -196,7 +202,8 @@ def render(summary: dict) -> str:
                 f"{r['requested_peak_bytes'] / 2**20:.2f} MiB | "
                 f"{r['measured_peak_bytes'] / 2**20:.2f} MiB | {100 * r['error']:+.2f}% | {r['within_budget']} | "
                 f"{r['baseline_peak_bytes'] / 2**20:.2f} MiB | "
-                f"{100 * r['predicted_overhead']:+.1f}% / {100 * r['measured_overhead']:+.1f}% | {'ok' if r['grads_ok'] else 'DIFFER'}: "
+                f"{100 * r['predicted_overhead']:+.1f}%{_priced_here(r)} / {100 * r['measured_overhead']:+.1f}% | "
+                f"{'ok' if r['grads_ok'] else 'DIFFER'}: "
                 f"{r['check']}{_offloaded(r)} |"
             )
     lines += [

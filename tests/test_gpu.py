@@ -60,6 +60,9 @@ def test_gpu_check_runs_a_workload_and_renders_it_on_the_cpu_too():
         }
     )
     assert "| gpt (32, batch 16) | " in page and "bit-exact" in page and "| llama | failed: RuntimeError: x |" in page
+    # Each run's prediction priced again in apply's own run, beside the schedule's.
+    here = row["runs"][0]["predicted_overhead_here"]
+    assert here > 0 and f"({100 * here:+.1f}%) / " in page
     assert "25.0 GB/s to the host, 26.0 GB/s to the device, 10 us per copy" in page
 
 

@@ -170,6 +170,11 @@ def _offloaded(run: dict) -> str:
     return f"; offloads {', '.join(m or '<model>' for m in offloads)}" if offloads else ""
 
 
+def _mib(nbytes: int | None) -> str:
+    """A size in MiB; "n/a" for one a run before 12-05 did not record (the requests' sum)."""
+    return "n/a" if nbytes is None else f"{nbytes / 2**20:.2f} MiB"
+
+
 def _priced_here(run: dict) -> str:
     """The prediction priced again in apply's own run (absent from runs before 12-07)."""
     here = run.get("predicted_overhead_here")
@@ -199,7 +204,7 @@ def render(summary: dict) -> str:
             lines.append(
                 f"| {w['workload']} ({w['precision']}, batch {w['batch_size']}) | {r['budget']} "
                 f"({r['budget_bytes'] / 2**20:.1f} MiB) | {r['predicted_peak_bytes'] / 2**20:.2f} MiB | "
-                f"{r['requested_peak_bytes'] / 2**20:.2f} MiB | "
+                f"{_mib(r.get('requested_peak_bytes'))} | "
                 f"{r['measured_peak_bytes'] / 2**20:.2f} MiB | {100 * r['error']:+.2f}% | {r['within_budget']} | "
                 f"{r['baseline_peak_bytes'] / 2**20:.2f} MiB | "
                 f"{100 * r['predicted_overhead']:+.1f}%{_priced_here(r)} / {100 * r['measured_overhead']:+.1f}% | "
@@ -216,7 +221,7 @@ def render(summary: dict) -> str:
         if "error" not in w:
             lines.append(
                 f"| {w['workload']} | {w['baseline_peak_bytes'] / 2**20:.2f} MiB | "
-                f"{w['simulated_baseline_bytes'] / 2**20:.2f} MiB | {w['requested_baseline_bytes'] / 2**20:.2f} MiB | "
+                f"{w['simulated_baseline_bytes'] / 2**20:.2f} MiB | {_mib(w.get('requested_baseline_bytes'))} | "
                 f"{w['floor_bytes'] / 2**20:.2f} MiB | "
                 f"{w['op_ms_sum']:.1f} / {w['baseline_step_ms']:.1f} ms | {w['workspace_ops']} |"
             )

@@ -63,6 +63,25 @@ def test_gpu_check_runs_a_workload_and_renders_it_on_the_cpu_too():
     # Each run's prediction priced again in apply's own run, beside the schedule's.
     here = row["runs"][0]["predicted_overhead_here"]
     assert here > 0 and f"({100 * here:+.1f}%) / " in page
+    # A run from before the requests' sum and the priced-again prediction were recorded (12-04).
+    old_runs = [
+        {k: v for k, v in r.items() if k not in ("requested_peak_bytes", "predicted_overhead_here")}
+        for r in row["runs"]
+    ]
+    old_row = {k: v for k, v in row.items() if k != "requested_baseline_bytes"} | {"runs": old_runs}
+    old_page = render(
+        {
+            "date": "d",
+            "device": "cuda",
+            "torch": "2.11",
+            "cuda": "13.0",
+            "python": "3",
+            "alloc_conf": "",
+            "workloads": [old_row],
+            "gpu_tests": None,
+        }
+    )
+    assert "| n/a | " in old_page and "(priced" in old_page and "%) / " not in old_page.split("| gpt (32")[1]
     assert "25.0 GB/s to the host, 26.0 GB/s to the device, 10 us per copy" in page
 
 

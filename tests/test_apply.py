@@ -328,7 +328,7 @@ def test_a_profile_timed_again_predicts_from_the_window_s_times():
 
 def test_apply_times_the_profiled_step_after_every_pair_with_that_pair_s_unmodified_step():
     """A window ticks once after each pair, given the pair's unmodified step (the model as
-    written, paired with it), and the other-speed warning is left to a run without one."""
+    written, paired with it)."""
     from monet_cli.runtime import compare
 
     events: list[object] = []
@@ -367,16 +367,24 @@ def test_the_profiled_step_is_the_unmodified_model_unless_monet_s_preparation_ch
     assert prepared is not as_written and prepared.out_of_place
 
 
-def test_apply_prices_the_schedule_again_in_its_own_run(resnet18_profile):
+def test_apply_prices_the_schedule_again_in_its_own_run(resnet18_profile, monkeypatch):
     """A real apply with a window: one timed step of the prepared model per pair, and the
-    schedule predicted again from them at that run's step."""
+    schedule predicted again from them at that run's step; no warning that the step ran at
+    another speed than profiled, since the prediction is at this one."""
+    import warnings
+
     from monet_cli.core.plan import predicted_for
     from monet_cli.profiler.window import WindowTimer
+    from monet_cli.runtime import compare
 
+    monkeypatch.setattr(compare, "other_speed", lambda profiled_ms, measured_ms: True)
     model = SegmentModel(resnet18_profile)
     schedule = plan_schedule(resnet18_profile, max(level_plans(model).values(), key=len), model=model)
     window = WindowTimer(resnet18_profile)
-    run_apply(schedule, CPU, steps=3, check=False, window=window)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run_apply(schedule, CPU, steps=3, check=False, window=window)
+    assert not [w for w in caught if "when the schedule's profile timed it" in str(w.message)]
     assert len(window.timings.step_ms) == len(window.as_written_ms) == 3
     assert window.workload.out_of_place  # resnet18's ReLUs run in place as written
     priced = window.in_window()

@@ -108,6 +108,8 @@ def test_apply_holds_budget_and_gradients(workdir: Path):
     assert "not in configs/ (or --profile): no prediction at this run's speed" in " ".join(result.stderr.split())
     assert report["measured_peak_bytes"] <= report["budget_bytes"]
     assert abs(report["predicted_peak_bytes"] - report["measured_peak_bytes"]) <= 0.02 * report["measured_peak_bytes"]
+    other = monet("apply", str(path), "--profile", "configs/gpt.profile.yaml")  # refused before any step runs
+    assert other.exit_code == 2 and "--profile: that profile was made for another model" in last_error(other)
     profile = str(workdir / "configs" / "skip.profile.yaml")
     checked = json.loads(monet("apply", str(path), "--steps", "1", "--check", "--profile", profile, "--json").stdout)
     assert checked["predicted_overhead_here"] > 0  # priced again from the step timed after the pair

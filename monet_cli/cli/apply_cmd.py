@@ -111,7 +111,7 @@ def _step_time(report) -> str:
 def run(args: ApplyArgs) -> None:
     from rich.console import Console
 
-    from monet_cli.cli.inspect_cmd import find_profile
+    from monet_cli.cli.inspect_cmd import check_schedule_matches, find_profile
     from monet_cli.cli.render import print_json, stderr
     from monet_cli.cli.solve_cmd import newest
     from monet_cli.core.plan import predicted_for
@@ -127,6 +127,8 @@ def run(args: ApplyArgs) -> None:
     if args.timeline is not None and device.type != "cpu":
         raise UsageError("--timeline records the measured step with the CPU meter; use --device cpu")
     found = find_profile(schedule, args.profile)
+    if found is not None and args.profile is not None:
+        check_schedule_matches(schedule, found[0])  # now, not after the timed steps
     window = None if found is None else WindowTimer(found[0])
     with stderr.status("applying ...") as status:
         report = run_apply(

@@ -280,7 +280,7 @@ def test_a_profile_warns_when_the_machine_speed_changed_while_it_ran():
         warn_on_speed_change(Steps(0.5 * SPEED_CHANGE * 1.5), [0.5])  # a sub-millisecond step's jitter
 
 
-def test_a_profile_warns_when_the_step_s_noise_may_move_a_prediction_by_3_points():
+def test_a_profile_warns_when_the_step_s_noise_may_move_a_prediction_by_3_points(noisy_prices_threshold):
     """``price_noise_ms`` above 3% of the step (the time model's target) warns with both
     figures; at or below it, nothing."""
     import warnings
@@ -622,7 +622,7 @@ def test_checkpoint_s_frame_and_policy_are_priced_in_the_step(resnet18_profile, 
     )
 
 
-def test_the_step_s_noise_is_measured_on_the_largest_calls_set(resnet18_profile, monkeypatch):
+def test_the_step_s_noise_is_measured_on_the_largest_calls_set(resnet18_profile, monkeypatch, noisy_prices_threshold):
     """``price_noise_ms`` is half the 90% interval of the median difference the largest calls
     made, in the profile's time: the cheap sets' spread does not enter it, and a machine twice
     as slow as the profile's steps halves it. Where it passes ``NOISY_PRICES`` of the step the

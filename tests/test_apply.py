@@ -229,6 +229,17 @@ def test_a_model_with_deterministic_kernels_is_checked_bit_for_bit(workload_prof
     assert check.describe() == "bit-exact (deterministic algorithms)"
 
 
+class _TimedStub:
+    """A workload whose timed steps take the given times, each logging its name."""
+
+    def __init__(self, name: str, times: list[float], log: list[object]) -> None:
+        self.name, self.times, self.log = name, iter(times), log
+
+    def timed_step(self, seed: int) -> float:
+        self.log.append(self.name)
+        return next(self.times)
+
+
 def test_apply_times_pairs_in_turns_and_takes_the_median_of_their_overheads():
     """The unmodified and the scheduled step take turns going first, and the overhead is the
     median of the pairs' own overheads, with their range: a slow spell that covers one pair
@@ -237,18 +248,9 @@ def test_apply_times_pairs_in_turns_and_takes_the_median_of_their_overheads():
 
     from monet_cli.runtime import compare
 
-    order: list[str] = []
-
-    class Stub:
-        def __init__(self, name: str, times: list[float]) -> None:
-            self.name, self.times = name, iter(times)
-
-        def timed_step(self, seed: int) -> float:
-            order.append(self.name)
-            return next(self.times)
-
-    baseline = Stub("baseline", [100.0, 100.0, 200.0, 100.0])
-    scheduled = Stub("scheduled", [110.0, 120.0, 230.0, 105.0])  # the third pair in a spell twice as slow
+    order: list[object] = []
+    baseline = _TimedStub("baseline", [100.0, 100.0, 200.0, 100.0], order)
+    scheduled = _TimedStub("scheduled", [110.0, 120.0, 230.0, 105.0], order)  # the third pair twice as slow
     base_ms, sched_ms = compare._timed_pairs(baseline, scheduled, 4, lambda label: None)
     assert order == ["baseline", "scheduled", "scheduled", "baseline"] * 2
     report = compare.ApplyReport(
@@ -333,20 +335,12 @@ def test_apply_times_the_profiled_step_after_every_pair_with_that_pair_s_unmodif
 
     events: list[object] = []
 
-    class Stub:
-        def __init__(self, name: str, times: list[float]) -> None:
-            self.name, self.times = name, iter(times)
-
-        def timed_step(self, seed: int) -> float:
-            events.append(self.name)
-            return next(self.times)
-
     class Window:
         def tick(self, as_written_ms: float) -> None:
             events.append(as_written_ms)
 
-    baseline = Stub("baseline", [100.0, 90.0, 200.0])
-    scheduled = Stub("scheduled", [110.0, 120.0, 230.0])
+    baseline = _TimedStub("baseline", [100.0, 90.0, 200.0], events)
+    scheduled = _TimedStub("scheduled", [110.0, 120.0, 230.0], events)
     compare._timed_pairs(baseline, scheduled, 3, lambda label: None, Window())
     assert events == ["baseline", "scheduled", 100.0, "scheduled", "baseline", 90.0, "baseline", "scheduled", 200.0]
 

@@ -74,7 +74,7 @@ def _spec(name: str):
 
 def run_workload(name: str, device: torch.device, *, workers: int = 2, save: Path | None = None) -> dict:
     from bench.real_models import case_budgets
-    from monet_cli.core.plan import predicted_for, solve_schedule
+    from monet_cli.core.plan import solve_schedule
     from monet_cli.core.profile import save_profile
     from monet_cli.core.schedule import save_schedule
     from monet_cli.core.segments import SegmentModel
@@ -109,8 +109,7 @@ def run_workload(name: str, device: torch.device, *, workers: int = 2, save: Pat
             )
         if save is not None:
             save_schedule(schedule, save / f"{name}-{label}.schedule.yaml")
-        window = WindowTimer(profile)
-        report = run_apply(schedule, device, steps=3, check=True, window=window)
+        report = run_apply(schedule, device, steps=3, check=True, window=WindowTimer(profile))
         check = report.check
         runs.append(
             {
@@ -125,7 +124,7 @@ def run_workload(name: str, device: torch.device, *, workers: int = 2, save: Pat
                 "error": report.prediction_error,
                 "within_budget": report.within_budget,
                 "predicted_overhead": report.predicted_overhead,
-                "predicted_overhead_here": predicted_for(schedule, window.in_window()).overhead,
+                "predicted_overhead_here": report.predicted_here.overhead,
                 "measured_overhead": report.overhead,
                 "grads_ok": check.ok,
                 "check": check.describe(),

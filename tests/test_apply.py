@@ -377,12 +377,13 @@ def test_apply_prices_the_schedule_again_in_its_own_run(resnet18_profile, monkey
     window = WindowTimer(resnet18_profile)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        run_apply(schedule, CPU, steps=3, check=False, window=window)
+        report = run_apply(schedule, CPU, steps=3, check=False, window=window)
     assert not [w for w in caught if "when the schedule's profile timed it" in str(w.message)]
     assert len(window.timings.step_ms) == len(window.as_written_ms) == 3
     assert window.workload.out_of_place  # resnet18's ReLUs run in place as written
     priced = window.in_window()
     assert priced.baseline.step_ms == statistics.median(window.timings.step_ms)
     here = predicted_for(schedule, priced)
+    assert report.predicted_here == here  # the report's, from the same window
     assert here.baseline_step_ms == priced.baseline.as_written_step_ms is not None
     assert here.overhead > 0

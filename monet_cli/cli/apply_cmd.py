@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -114,7 +114,6 @@ def run(args: ApplyArgs) -> None:
     from monet_cli.cli.inspect_cmd import check_schedule_matches, find_profile
     from monet_cli.cli.render import print_json, stderr
     from monet_cli.cli.solve_cmd import newest
-    from monet_cli.core.plan import predicted_for
     from monet_cli.profiler.window import WindowTimer
     from monet_cli.runtime.compare import run_apply
     from monet_cli.workload.step import resolve_device
@@ -143,8 +142,6 @@ def run(args: ApplyArgs) -> None:
     if window is None:
         missing = "no prediction at this run's speed" + (", no predicted timeline" if args.timeline else "")
         stderr.print(f"note: the schedule's profile is not in configs/ (or --profile): {missing}")
-    else:
-        report = replace(report, predicted_here=predicted_for(schedule, window.in_window()))
     if args.timeline is not None:
         write_measured_timeline(args.timeline, schedule, report, found)
         stderr.print(f"[green]wrote[/green] {args.timeline}")

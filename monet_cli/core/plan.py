@@ -139,11 +139,13 @@ def predicted(profile: Profile, result: SimResult) -> Predicted:
     )
 
 
-def predicted_for(schedule: Schedule, profile: Profile) -> Predicted:
+def predicted_for(schedule: Schedule, profile: Profile, model: SegmentModel | None = None) -> Predicted:
     """What ``profile``'s prices predict for ``schedule``'s decisions: the schedule's own
     prediction from its own profile, or the one at another speed from that profile timed again
-    (``monet_cli/profiler/window.py``)."""
-    model = SegmentModel(profile)
+    (``monet_cli/profiler/window.py``). ``model``: ``SegmentModel(profile)`` where the caller
+    already built it for several schedules."""
+    if model is None:
+        model = SegmentModel(profile)
     result = simulate(model.profile, plan_of(schedule, model), model=model, variants=variants_of(schedule, profile))
     return predicted(model.profile, result)
 
@@ -160,7 +162,8 @@ def build_schedule(
     created_at: str | None = None,
     variants: Variants = frozenset(),
 ) -> Schedule:
-    model = model or SegmentModel(profile)
+    if model is None:
+        model = SegmentModel(profile)
     result = simulate(profile, plan, model=model, variants=variants)
     return with_content_hash(
         Schedule(

@@ -25,7 +25,8 @@ from typing import Protocol
 
 import torch
 
-from monet_cli.core.profile import ModelSpec, other_speed
+from monet_cli.core.plan import predicted_for
+from monet_cli.core.profile import ModelSpec, Profile, other_speed
 from monet_cli.core.schedule import Predicted, Schedule
 from monet_cli.errors import FingerprintError, ModelError
 from monet_cli.runtime.executor import apply_schedule, machinery
@@ -98,7 +99,8 @@ class ApplyReport:
     baseline_timeline: tuple[int, ...] = ()
     predicted_here: Predicted | None = None
     """The schedule predicted again from its profile's step and calls timed in this run's
-    pairs (``monet_cli/profiler/window.py``); None where its profile was not at hand."""
+    pairs (``monet_cli/profiler/window.py``); None where no window timed them (its profile
+    was not at hand)."""
 
     @property
     def within_budget(self) -> bool:
@@ -293,6 +295,8 @@ class Window(Protocol):
 
     def tick(self, as_written_ms: float) -> None: ...
 
+    def in_window(self) -> Profile: ...
+
 
 def run_apply(
     schedule: Schedule,
@@ -349,6 +353,7 @@ def run_apply(
         meter=sched_peak.meter,
         timeline=sched_peak.timeline,
         baseline_timeline=base_peak.timeline,
+        predicted_here=None if window is None else predicted_for(schedule, window.in_window()),
     )
 
 

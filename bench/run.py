@@ -147,15 +147,19 @@ def simulated(model: SegmentModel, checkpointed: list[str]) -> dict[str, Any]:
     }
     if len(plan) != len(checkpointed):
         raise ValueError(f"{len(checkpointed) - len(plan)} of the checkpointed blocks are not segments of the profile")
-    result = simulate(profile, plan, model=model)
     # These methods run the model as written, under PyTorch's checkpoint alone: no preparation
     # and none of a schedule's checks to pay, the same step to compare with.
+    result = simulate(_without_checks(profile), plan, model=model)
     reference = profile.baseline.reference_step_ms
     return {
         "predicted_peak_bytes": result.peak_bytes,
-        "predicted_overhead": (result.added_ms - result.checks_ms) / reference,
-        "predicted_overhead_op_sums": (_op_sums(model, plan).added_ms - result.checks_ms) / reference,
+        "predicted_overhead": result.added_ms / reference,
+        "predicted_overhead_op_sums": _op_sums(model, plan, checks=False).added_ms / reference,
     }
+
+
+def _without_checks(profile: Profile) -> Profile:
+    return replace(profile, overheads=replace(profile.overheads, checks_ms=0.0))
 
 
 def op_sum_overhead(model: SegmentModel, plan: dict, variants: frozenset[int] = frozenset()) -> float:
@@ -164,9 +168,14 @@ def op_sum_overhead(model: SegmentModel, plan: dict, variants: frozenset[int] = 
     return predicted(_unwalled(model).profile, _op_sums(model, plan, variants)).overhead
 
 
-def _op_sums(model: SegmentModel, plan: dict, variants: frozenset[int] = frozenset()) -> SimResult:
+def _op_sums(
+    model: SegmentModel, plan: dict, variants: frozenset[int] = frozenset(), *, checks: bool = True
+) -> SimResult:
+    """``plan`` with each recompute priced at its ops' timed sum; ``checks``: a schedule's,
+    which PyTorch's own checkpoint does not run."""
     unwalled = _unwalled(model)
-    return simulate(unwalled.profile, plan, model=unwalled, variants=variants)
+    profile = unwalled.profile if checks else _without_checks(unwalled.profile)
+    return simulate(profile, plan, model=unwalled, variants=variants)
 
 
 @functools.cache
@@ -287,7 +296,7 @@ def run_workload(
     window_profile = window.in_window()
     window_model = SegmentModel(window_profile)
     for schedule, info in solved:
-        info["predicted_overhead_in_window"] = predicted_for(schedule, window_profile).overhead
+        info["predicted_overhead_in_window"] = predicted_for(schedule, window_profile, window_model).overhead
     points = []
     for m in eager:
         row = {"method": m.name, "kind": m.kind, "meter": m.meter, **measured[m.name], "info": {}}

@@ -17,27 +17,48 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-@pytest.fixture(scope="session", autouse=True)
-def quiet_enough_prices():
-    """The tests' profiles price checkpointing from one batch of in-step rounds. Their tiny
-    models' steps are noisy far past ``NOISY_PRICES`` of a 3 ms step, so every profile ran a
-    second batch and warned: 52 s against 34 to 38 s for test_chains, test_rehearse and
-    test_cli_profile (12-07). Tests of the second batch and its warning take the real
-    threshold back (``noisy_prices_threshold``). Yields the real one."""
-    from monet_cli.profiler import in_step
+def _quick_pricing() -> dict[tuple[object, str], float]:
+    """The profiler's timing effort for the suite's profiles: they test memory, structure and
+    the pricing code's paths, and their tiny models' steps are noisy past any price's use.
 
-    real = in_step.NOISY_PRICES
-    in_step.NOISY_PRICES = float("inf")
-    yield real
-    in_step.NOISY_PRICES = real
+    - ``in_step.NOISY_PRICES`` off: every tiny model's noise passed 3% of its step, so every
+      profile ran a second batch of in-step rounds and warned (test_chains, test_rehearse and
+      test_cli_profile 52 s against 34 to 38 s, 12-07).
+    - Three pairs a measurement, one warm-up, 5 rounds of a probe and 3 to 5 of a call timed
+      alone, where monet ships 10 a timed step, 2, 21 and 9 to 21: pricing took 46 and 17 of
+      the 80 s profiling took in the two slowest tests (efficientnet_b0 and the LLaMA
+      reproduction, 12-07). The suite took 537 s here against 1,010 s before (12-07 22:23
+      and 21:56, run alone)."""
+    from monet_cli.profiler import alone, in_step, probe
+
+    return {
+        (in_step, "NOISY_PRICES"): float("inf"),
+        (in_step, "PAIRS_PER_STEP"): 3,
+        (in_step, "MIN_PAIRS"): 3,
+        (in_step, "WARM_UP_PAIRS"): 1,
+        (probe, "ROUNDS"): 5,
+        (alone, "MIN_ROUNDS"): 3,
+        (alone, "MAX_ROUNDS"): 5,
+    }
+
+
+@pytest.fixture(scope="session", autouse=True)
+def quick_pricing():
+    """Pins ``_quick_pricing`` for the session; yields what monet ships."""
+    quick = _quick_pricing()
+    shipped = {(module, name): getattr(module, name) for module, name in quick}
+    for (module, name), value in quick.items():
+        setattr(module, name, value)
+    yield shipped
+    for (module, name), value in shipped.items():
+        setattr(module, name, value)
 
 
 @pytest.fixture
-def noisy_prices_threshold(quiet_enough_prices, monkeypatch):
-    """``NOISY_PRICES`` as monet ships it, for one test."""
-    from monet_cli.profiler import in_step
-
-    monkeypatch.setattr(in_step, "NOISY_PRICES", quiet_enough_prices)
+def shipped_pricing(quick_pricing, monkeypatch):
+    """The profiler's timing effort as monet ships it, for one test of that effort."""
+    for (module, name), value in quick_pricing.items():
+        monkeypatch.setattr(module, name, value)
 
 
 def small_spec(model: str = "resnet18", shape=(3, 32, 32), batch_size: int = 2, **kwargs):

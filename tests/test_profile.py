@@ -280,7 +280,7 @@ def test_a_profile_warns_when_the_machine_speed_changed_while_it_ran():
         warn_on_speed_change(Steps(0.5 * SPEED_CHANGE * 1.5), [0.5])  # a sub-millisecond step's jitter
 
 
-def test_a_profile_warns_when_the_step_s_noise_may_move_a_prediction_by_3_points(noisy_prices_threshold):
+def test_a_profile_warns_when_the_step_s_noise_may_move_a_prediction_by_3_points(shipped_pricing):
     """``price_noise_ms`` above 3% of the step (the time model's target) warns with both
     figures; at or below it, nothing."""
     import warnings
@@ -508,7 +508,7 @@ def _stub_checkpointed_forward(module, keep, marker, *, selective=False):
     return forward
 
 
-def test_checkpoint_s_frame_and_policy_are_priced_in_the_step(resnet18_profile, monkeypatch):
+def test_checkpoint_s_frame_and_policy_are_priced_in_the_step(resnet18_profile, monkeypatch, shipped_pricing):
     """The cheapest calls to checkpoint (none nested in another, no BatchNorm), the few
     cheapest of them and the largest run checkpointed in the real step against plain steps,
     interleaved round by round: what each set adds beyond its price is a cost paid once,
@@ -622,7 +622,7 @@ def test_checkpoint_s_frame_and_policy_are_priced_in_the_step(resnet18_profile, 
     )
 
 
-def test_the_step_s_noise_is_measured_on_the_largest_calls_set(resnet18_profile, monkeypatch, noisy_prices_threshold):
+def test_the_step_s_noise_is_measured_on_the_largest_calls_set(resnet18_profile, monkeypatch, shipped_pricing):
     """``price_noise_ms`` is half the 90% interval of the median difference the largest calls
     made, in the profile's time: the cheap sets' spread does not enter it, and a machine twice
     as slow as the profile's steps halves it. Where it passes ``NOISY_PRICES`` of the step the
@@ -698,7 +698,7 @@ def test_the_schedule_s_checks_are_timed_on_their_own_hooks(monkeypatch):
     assert len(model._forward_pre_hooks) == len(model._forward_hooks) == 1
 
 
-def test_the_three_sets_are_timed_in_rotating_rounds_against_the_same_round_s_plain_step(monkeypatch):
+def test_the_three_sets_are_timed_in_rotating_rounds_against_the_same_round_s_plain_step(monkeypatch, shipped_pricing):
     """Each round runs the plain step and every set once, the order rotated from round to
     round, and a set's difference is taken against the plain step of its own round: a machine
     slowing by 1 ms a step (here) puts that plain step at most three steps, 3 ms, away, and
@@ -752,7 +752,7 @@ def test_the_three_sets_are_timed_in_rotating_rounds_against_the_same_round_s_pl
     assert all(abs(statistics.median(ms) - 10.0 * k) <= 2.0 for k, ms in enumerate(added, start=1)), added
 
 
-def test_a_measurement_in_the_step_keeps_to_its_budget_warm_up_and_walls_steps_included(monkeypatch):
+def test_a_measurement_in_the_step_keeps_to_its_budget_warm_up_and_walls_steps_included(monkeypatch, shipped_pricing):
     """The pairs and their warm-up fit ``BUDGET_S``, and the three sets' rounds with theirs
     and the plain steps whose calls are timed between them three times that, whatever the
     step's length; a step too long for ``MIN_PAIRS`` is not paired."""
@@ -792,7 +792,7 @@ def test_a_measurement_in_the_step_keeps_to_its_budget_warm_up_and_walls_steps_i
     assert paired == [5.0, 60.0, 150.0, 250.0, 290.0]
 
 
-def test_a_slow_step_prices_checkpoint_on_a_few_calls_alone(monkeypatch, resnet18_profile):
+def test_a_slow_step_prices_checkpoint_on_a_few_calls_alone(monkeypatch, resnet18_profile, shipped_pricing):
     """Where the step is too slow to pair, the largest calls that fit the budget and the
     cheapest to checkpoint run alone, on copies, each checkpointed as a schedule runs it (its
     BatchNorms guarded) against the same call plain: what each adds beyond its price is split

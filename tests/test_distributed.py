@@ -23,10 +23,16 @@ from tests.schedules_for_tests import plan_schedule
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _finest_schedule(spec, path: Path) -> None:
+@pytest.fixture(scope="module")
+def llama_profile():
+    from bench.real_models import case_spec
+
+    return profile_model(case_spec("llama"), torch.device("cpu"), steps=1)
+
+
+def _finest_schedule(profile, path: Path) -> None:
     """Every segment of the finest module level where ops can be kept, each keeping its first
     candidate op (so the selective policy runs too)."""
-    profile = profile_model(spec, torch.device("cpu"), steps=1)
     model = SegmentModel(profile)
     levels = sorted(level_plans(model).values(), key=len, reverse=True)
     plan = next(p for p in levels if any(model.segments[c].candidates for c in p))
@@ -61,17 +67,17 @@ def _torchrun(worker: str, schedule: Path, out: Path, **extra_env: str) -> list[
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
 
 
-def test_ddp_two_processes_same_gradients(tmp_path: Path):
-    _finest_schedule(small_spec("resnet18", shape=(3, 32, 32), batch_size=2), tmp_path / "ddp.yaml")
+def test_ddp_two_processes_same_gradients(tmp_path: Path, resnet18_profile):
+    _finest_schedule(resnet18_profile, tmp_path / "ddp.yaml")
     reports = _torchrun("ddp_worker.py", tmp_path / "ddp.yaml", tmp_path)
     assert all(r["world"] == 2 for r in reports)
     assert all(r["equal"] for r in reports), reports
 
 
-def test_ddp_runs_a_chain_segment(tmp_path: Path):
+def test_ddp_runs_a_chain_segment(tmp_path: Path, resnet18_profile):
     """ResNet's stem as one chain segment (its frame opens in conv1's forward and closes in
     maxpool's) beside a module segment, under DDP: gradients equal the unscheduled run's."""
-    profile = profile_model(small_spec("resnet18", shape=(3, 32, 32), batch_size=2), torch.device("cpu"), steps=1)
+    profile = resnet18_profile
     model = SegmentModel(profile)
     by_name = {seg.fqn: c for c, seg in model.segments.items()}
     plan = {by_name["conv1..maxpool"]: frozenset(), by_name["layer1"]: frozenset()}
@@ -83,10 +89,10 @@ def test_ddp_runs_a_chain_segment(tmp_path: Path):
     assert all(r["equal"] for r in reports), reports
 
 
-def test_ddp_runs_op_ranges(tmp_path: Path):
+def test_ddp_runs_op_ranges(tmp_path: Path, resnet18_profile):
     """Two op ranges under DDP, one of the model's own forward (bn1 to the end of layer1) and one
     of a block's (bn2 to the residual add and the last ReLU): gradients equal the unscheduled run's."""
-    profile = profile_model(small_spec("resnet18", shape=(3, 32, 32), batch_size=2), torch.device("cpu"), steps=1)
+    profile = resnet18_profile
     model = SegmentModel(profile)
     calls = {c.fqn: c for c in profile.calls}
     by_name = {seg.fqn: c for c, seg in model.segments.items()}
@@ -103,12 +109,10 @@ def test_ddp_runs_op_ranges(tmp_path: Path):
 
 
 @pytest.mark.slow
-def test_fsdp2_runs_op_ranges_in_sharded_layers(tmp_path: Path):
+def test_fsdp2_runs_op_ranges_in_sharded_layers(tmp_path: Path, llama_profile):
     """In each LLaMA decoder layer (an FSDP2 unit), the op range with the most of the layer's own
     code: its replay calls the layer's projections while FSDP2 has their parameters gathered."""
-    from bench.real_models import case_spec
-
-    profile = profile_model(case_spec("llama"), torch.device("cpu"), steps=1)
+    profile = llama_profile
     model = SegmentModel(profile)
     best: dict[int, int] = {}
     for c, r in model.ranges.items():
@@ -145,12 +149,10 @@ def test_ddp_runs_an_offload_beside_a_segment(tmp_path: Path, monkeypatch):
 
 
 @pytest.mark.slow
-def test_fsdp2_three_steps_match_unscheduled(tmp_path: Path):
+def test_fsdp2_three_steps_match_unscheduled(tmp_path: Path, llama_profile):
     """monet.apply before fully_shard: the fingerprint check sees through FSDP2's hooks (and still
     refuses another batch size), and training matches the unscheduled FSDP2 run bit for bit."""
-    from bench.real_models import case_spec
-
-    _finest_schedule(case_spec("llama"), tmp_path / "fsdp.yaml")
+    _finest_schedule(llama_profile, tmp_path / "fsdp.yaml")
     reports = _torchrun("fsdp_worker.py", tmp_path / "fsdp.yaml", tmp_path)
     assert all(r["world"] == 2 for r in reports)
     assert reports[0]["plain"] != reports[1]["plain"], "each rank should see its own rows"

@@ -27,8 +27,13 @@ def _quick_pricing() -> dict[tuple[object, str], float]:
     - Three pairs a measurement, one warm-up, 5 rounds of a probe and 3 to 5 of a call timed
       alone, where monet ships 10 a timed step, 2, 21 and 9 to 21: pricing took 46 and 17 of
       the 80 s profiling took in the two slowest tests (efficientnet_b0 and the LLaMA
-      reproduction, 12-07). The suite took 537 s here against 1,010 s before (12-07 22:23
-      and 21:56, run alone)."""
+      reproduction, 12-07).
+    - A measurement in 2 s, not 8: three pairs would pair steps up to 800 ms, where monet
+      pairs up to 276 ms and times longer steps' calls alone (the GPT-2 reproduction's 500 ms
+      step paired for 23 s of its 39 s profile, against 6 s for its calls alone). Now up to
+      200 ms.
+
+    The suite took 537 s here against 1,010 s before (12-07 22:23 and 21:56, run alone)."""
     from monet_cli.profiler import alone, in_step, probe
 
     return {
@@ -36,6 +41,7 @@ def _quick_pricing() -> dict[tuple[object, str], float]:
         (in_step, "PAIRS_PER_STEP"): 3,
         (in_step, "MIN_PAIRS"): 3,
         (in_step, "WARM_UP_PAIRS"): 1,
+        (in_step, "BUDGET_S"): 2.0,
         (probe, "ROUNDS"): 5,
         (alone, "MIN_ROUNDS"): 3,
         (alone, "MAX_ROUNDS"): 5,
